@@ -1,0 +1,1 @@
+"""afd_ascend_ops"""

@@ -1,0 +1,1 @@
+"""afd_attention"""

@@ -1,0 +1,133 @@
+"""The wire codec: small, versioned, binary frames. Nothing off the wire is ever unpickled.
+
+Frame layout (little endian)::
+
+    0   2s  magic   b"AF"
+    2   B   version WIRE_VERSION
+    3   B   kind    FrameKind
+    4   I   payload length in bytes
+    8   ... payload
+
+Payloads:
+
+* ``STEP``  (control plane, once per step): ``q step, B step_kind, H num_stages,
+  q stage_tokens[num_stages]``.
+* ``HELLO`` (handshake): UTF-8 JSON object, at most ``MAX_JSON_BYTES``.
+
+Hidden states are not framed: their shape is fixed by the step metadata and the model shape, so
+they travel as raw tensors and the receiver preallocates exactly.
+
+Every decoder either returns a value or raises ``AFDProtocolError``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from typing import Any
+
+import torch
+
+from afd_common.errors import AFDProtocolError
+from afd_common.metadata import MAX_STAGES, StepKind, StepMetadata
+
+MAGIC = b"AF"
+WIRE_VERSION = 1
+_HEADER = struct.Struct("<2sBBI")
+_STEP_HEAD = struct.Struct("<qBH")
+MAX_JSON_BYTES = 64 * 1024
+MAX_TOKENS = 1 << 40
+
+# A STEP frame always fits here, so the control plane sends one fixed-size message per step.
+STEP_FRAME_BYTES = _HEADER.size + _STEP_HEAD.size + 8 * MAX_STAGES
+
+
+class FrameKind(enum.IntEnum):
+    STEP = 1
+    HELLO = 2
+
+
+def _frame(kind: FrameKind, payload: bytes) -> bytes:
+    return _HEADER.pack(MAGIC, WIRE_VERSION, int(kind), len(payload)) + payload
+
+
+def _unframe(data: bytes, expected: FrameKind) -> bytes:
+    if len(data) < _HEADER.size:
+        raise AFDProtocolError(f"frame of {len(data)} bytes is shorter than its header")
+    magic, version, kind, length = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise AFDProtocolError(f"bad magic {magic!r}: the peer is not an afd process")
+    if version != WIRE_VERSION:
+        raise AFDProtocolError(f"wire protocol version {version} from the peer, ours is "
+                               f"{WIRE_VERSION}: install the same afd version on both roles")
+    if kind != expected:
+        name = FrameKind(kind).name if kind in FrameKind._value2member_map_ else str(kind)
+        raise AFDProtocolError(f"expected a {expected.name} frame, got {name}")
+    if length > len(data) - _HEADER.size:
+        raise AFDProtocolError(f"frame announces {length} payload bytes, "
+                               f"{len(data) - _HEADER.size} present")
+    return bytes(data[_HEADER.size:_HEADER.size + length])
+
+
+def encode_step(meta: StepMetadata) -> bytes:
+    if not 1 <= meta.num_stages <= MAX_STAGES:
+        raise ValueError(f"num_stages {meta.num_stages} not in [1, {MAX_STAGES}]")
+    if meta.step < 0 or any(not 0 <= n < MAX_TOKENS for n in meta.stage_tokens):
+        raise ValueError(f"step {meta.step} / stage tokens {meta.stage_tokens} out of range")
+    payload = _STEP_HEAD.pack(meta.step, int(meta.kind), meta.num_stages)
+    payload += struct.pack(f"<{meta.num_stages}q", *meta.stage_tokens)
+    return _frame(FrameKind.STEP, payload)
+
+
+def decode_step(data: bytes) -> StepMetadata:
+    payload = _unframe(data, FrameKind.STEP)
+    if len(payload) < _STEP_HEAD.size:
+        raise AFDProtocolError(f"STEP payload of {len(payload)} bytes is too short")
+    step, kind, num_stages = _STEP_HEAD.unpack_from(payload)
+    if kind not in StepKind._value2member_map_:
+        raise AFDProtocolError(f"unknown step kind {kind}")
+    if not 1 <= num_stages <= MAX_STAGES:
+        raise AFDProtocolError(f"num_stages {num_stages} not in [1, {MAX_STAGES}]")
+    if len(payload) != _STEP_HEAD.size + 8 * num_stages:
+        raise AFDProtocolError(f"STEP payload of {len(payload)} bytes does not hold "
+                               f"{num_stages} stages")
+    if step < 0:
+        raise AFDProtocolError(f"negative step {step}")
+    tokens = struct.unpack_from(f"<{num_stages}q", payload, _STEP_HEAD.size)
+    if any(not 0 <= n < MAX_TOKENS for n in tokens):
+        raise AFDProtocolError(f"stage token counts out of range: {tokens}")
+    return StepMetadata(step=step, kind=StepKind(kind), stage_tokens=tuple(tokens))
+
+
+def encode_json(obj: dict[str, Any]) -> bytes:
+    payload = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    if len(payload) > MAX_JSON_BYTES:
+        raise ValueError(f"JSON payload of {len(payload)} bytes exceeds {MAX_JSON_BYTES}")
+    return _frame(FrameKind.HELLO, payload)
+
+
+def decode_json(data: bytes) -> dict[str, Any]:
+    payload = _unframe(data, FrameKind.HELLO)
+    if len(payload) > MAX_JSON_BYTES:
+        raise AFDProtocolError(f"JSON payload of {len(payload)} bytes exceeds {MAX_JSON_BYTES}")
+    try:
+        obj = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise AFDProtocolError(f"malformed JSON payload: {e}") from None
+    if not isinstance(obj, dict):
+        raise AFDProtocolError(f"JSON payload is a {type(obj).__name__}, expected an object")
+    return obj
+
+
+def to_tensor(frame: bytes, size: int) -> torch.Tensor:
+    """A frame padded to ``size`` bytes as a uint8 tensor, ready for a fixed-size send."""
+    if len(frame) > size:
+        raise ValueError(f"frame of {len(frame)} bytes exceeds the {size}-byte slot")
+    buf = torch.zeros(size, dtype=torch.uint8)
+    buf[: len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+    return buf
+
+
+def from_tensor(buf: torch.Tensor) -> bytes:
+    return buf.numpy().tobytes() if buf.device.type == "cpu" else buf.cpu().numpy().tobytes()

@@ -1,0 +1,220 @@
+"""The connector contract: what every AFD transport provides, readable in one file.
+
+A connector has two halves, one per role, each in its role's package and registered under the
+same name (``afd_common.registry``). Who calls what:
+
+Attention half (``AttentionConnector``), called by the attention model wrapper, per step::
+
+    begin_step(StepMetadata)            # once per step: control plane, if the connector has one
+    for each MoE layer, for each micro-batch stage s:
+        send_attn_output(hidden, LayerCall(layer, s), topk_ids, topk_weights)   # never blocks
+        ... compute attention of stage s+1 ...
+        recv_ffn_output(LayerCall(layer, s)) -> Tensor                          # waits, bounded
+
+FFN half (``FFNConnector``), called by an FFN runner:
+
+* sync connectors (``control_plane`` is not None)::
+
+      plan = recv_step()                 # blocks until the attention side starts a step
+      for each MoE layer, for each stage s:
+          item = recv_ffn_work_item(s, layer_idx=layer)
+          send_ffn_output(experts(item), item)
+
+* async connectors (``control_plane is None``): the receive is the clock::
+
+      while True:
+          item = recv_ffn_work_item(stage_idx, max_num_tokens)   # item.layer_idx off the wire
+          if item.meta.is_stop: break
+          send_ffn_output(experts(item), item)
+
+Lifecycle: ``init()`` rendezvouses, runs the handshake (``fingerprint()`` of both sides must
+agree) and forms the process groups; ``close()`` releases them and is idempotent. Every blocking
+wait is bounded by ``timeouts``; a lost peer raises ``AFDPeerError`` naming the rank and what was
+awaited.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from afd_common.config import AFDConfig
+from afd_common.metadata import LayerCall, ModelShape, StepMetadata, WorkItem
+from afd_common.topology import Topology
+
+
+@dataclass
+class Timeouts:
+    """The first step may include compilation and weight loading on the peer; later steps not."""
+
+    first_step_s: float
+    step_s: float
+    _first_done: bool = False
+
+    def current(self) -> float:
+        return self.step_s if self._first_done else self.first_step_s
+
+    def step_done(self) -> None:
+        self._first_done = True
+
+    @classmethod
+    def from_config(cls, config: AFDConfig) -> Timeouts:
+        return cls(config.extra.first_step_timeout_s, config.extra.step_timeout_s)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The FFN side's view of one step: each served attention rank's ``StepMetadata``."""
+
+    step: int
+    per_source: dict[int, StepMetadata]
+
+    @property
+    def kind(self):
+        return next(iter(self.per_source.values())).kind
+
+    @property
+    def num_stages(self) -> int:
+        return next(iter(self.per_source.values())).num_stages
+
+
+class ControlPlane(abc.ABC):
+    """Carries ``StepMetadata`` once per step from the attention ranks to their FFN peers."""
+
+    @abc.abstractmethod
+    def send_step(self, meta: StepMetadata) -> None:
+        """Attention side. Does not wait for the FFN side to be ready for the step."""
+
+    @abc.abstractmethod
+    def recv_step(self, timeout_s: float) -> StepPlan:
+        """FFN side. Blocks until every served attention rank announced the step."""
+
+
+class AFDConnector(abc.ABC):
+    """Lifecycle and identity shared by both halves."""
+
+    #: "attention" or "ffn": which half this class is.
+    role: ClassVar[str]
+    #: True for connectors whose FFN side runs a receive loop (``control_plane is None``).
+    supports_async_dp: ClassVar[bool] = False
+    #: True when the connector needs top-k routing from the attention side.
+    requires_gate_on_attention: ClassVar[bool] = False
+    #: Keys of ``connector_extra_config`` this connector reads beyond the common ones.
+    extra_config_keys: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, config: AFDConfig, local_rank: int, shape: ModelShape,
+                 device: torch.device | str = "cpu"):
+        if config.role != self.role:
+            raise ValueError(f"{type(self).__name__} is the {self.role} half, "
+                             f"config role is {config.role!r}")
+        self.config = config
+        self.local_rank = local_rank
+        self.shape = shape
+        self.device = torch.device(device)
+        self.topology = Topology(config.num_attention_ranks, config.num_ffn_ranks)
+        self.timeouts = Timeouts.from_config(config)
+        size = (config.num_attention_ranks if self.role == "attention"
+                else config.num_ffn_ranks)
+        if not 0 <= local_rank < size:
+            raise ValueError(f"{self.role} rank {local_rank} out of range [0, {size}) "
+                             f"(num_{self.role}_ranks = {size})")
+
+    @property
+    @abc.abstractmethod
+    def control_plane(self) -> ControlPlane | None:
+        """None for connectors that carry metadata in the data path."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What both roles must agree on before any tensor moves. Compared field by field."""
+        s, c = self.shape, self.config
+        return {
+            "connector": c.connector,
+            "num_attention_ranks": c.num_attention_ranks,
+            "num_ffn_ranks": c.num_ffn_ranks,
+            "compute_gate_on_attention": c.compute_gate_on_attention,
+            "async_dp": c.async_dp,
+            "num_micro_batches": c.extra.num_micro_batches,
+            "architecture": s.architecture,
+            "num_layers": s.num_layers,
+            "moe_layers": list(s.moe_layers),
+            "hidden_size": s.hidden_size,
+            "num_experts": s.num_experts,
+            "top_k": s.top_k,
+            "dtype": str(s.dtype).removeprefix("torch."),
+            "max_num_tokens": s.max_num_tokens,
+        }
+
+    @abc.abstractmethod
+    def init(self) -> None:
+        """Rendezvous, handshake, form process groups. Bounded by the first-step timeout."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release groups and sockets. Idempotent; safe after a failed ``init``."""
+
+    def __enter__(self):
+        self.init()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AttentionConnector(AFDConnector):
+    role: ClassVar[str] = "attention"
+
+    def begin_step(self, meta: StepMetadata) -> None:
+        """Announce a step (including profile, dummy and warm-up steps) to the FFN side."""
+        if self.control_plane is not None:
+            self.control_plane.send_step(meta)
+
+    @abc.abstractmethod
+    def send_attn_output(self, hidden_states: torch.Tensor, call: LayerCall,
+                         topk_ids: torch.Tensor | None = None,
+                         topk_weights: torch.Tensor | None = None) -> None:
+        """Hand one layer's and stage's hidden states to the FFN side. Never blocks on the peer."""
+
+    @abc.abstractmethod
+    def recv_ffn_output(self, call: LayerCall) -> torch.Tensor:
+        """The FFN result for ``call``, same shape and dtype as what was sent. Bounded wait."""
+
+    def end_step(self) -> None:
+        """The step finished on this side: later waits use the step timeout."""
+        self.timeouts.step_done()
+
+
+class FFNConnector(AFDConnector):
+    role: ClassVar[str] = "ffn"
+
+    def recv_step(self) -> StepPlan:
+        cp = self.control_plane
+        if cp is None:
+            raise RuntimeError(f"{type(self).__name__} has no control plane; "
+                               "drive it with the async runner")
+        plan = cp.recv_step(self.timeouts.current())
+        self.on_step(plan)
+        return plan
+
+    def on_step(self, plan: StepPlan) -> None:
+        """Hook: sync connectors remember the plan to size the receives of the step."""
+
+    @abc.abstractmethod
+    def recv_ffn_work_item(self, stage_idx: int = 0, max_num_tokens: int | None = None, *,
+                           layer_idx: int | None = None) -> WorkItem:
+        """Next batch of rows to run. Sync connectors are told ``layer_idx`` by the runner;
+        async connectors read it off the wire. Bounded wait."""
+
+    @abc.abstractmethod
+    def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
+        """Return ``item``'s result rows to their sources. Never blocks on the peer."""
+
+    def end_step(self) -> None:
+        self.timeouts.step_done()
+
+
+def deadline(timeout_s: float) -> float:
+    return time.monotonic() + timeout_s

@@ -1,0 +1,90 @@
+"""What the two halves of the P2P connector agree on: world layout, message layout, tags.
+
+One message per direction per (layer, stage, link). Attention -> FFN carries the hidden rows and,
+when the gate runs on attention, the routing in the same message::
+
+    gate on FFN:        hidden [rows, H] (model dtype), sent as is (no copy)
+    gate on attention:  uint8 [ topk_ids int32 [rows, k] | topk_weights f32 [rows, k] | hidden ]
+
+Routing goes first so every part starts 4-byte aligned and is viewed in place on receipt. FFN ->
+attention carries the result rows [rows, H] in the model dtype. The Gloo tag encodes
+(layer, stage): a desynchronised peer times out with a message naming both, instead of feeding
+one layer's rows to another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afd_common.control_plane import GlooControlPlane, link_peers
+from afd_common.metadata import MAX_STAGES
+from afd_common.transport import PeerIO, default_backend
+from afd_common.world import AFDWorld
+
+
+def data_tag(layer_idx: int, stage: int) -> int:
+    return layer_idx * MAX_STAGES + stage
+
+
+def routing_nbytes(rows: int, top_k: int) -> int:
+    return rows * top_k * 8
+
+
+def pack(hidden: torch.Tensor, topk_ids: torch.Tensor | None,
+         topk_weights: torch.Tensor | None) -> torch.Tensor:
+    if topk_ids is None:
+        return hidden.contiguous()
+    parts = [topk_ids.to(torch.int32).contiguous().view(torch.uint8).flatten(),
+             topk_weights.to(torch.float32).contiguous().view(torch.uint8).flatten(),
+             hidden.contiguous().view(torch.uint8).flatten()]
+    return torch.cat(parts)
+
+
+def empty_message(rows: int, hidden_size: int, dtype: torch.dtype, top_k: int,
+                  with_routing: bool, device: torch.device) -> torch.Tensor:
+    if not with_routing:
+        return torch.empty(rows, hidden_size, dtype=dtype, device=device)
+    nbytes = routing_nbytes(rows, top_k) + rows * hidden_size * dtype.itemsize
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def unpack(buf: torch.Tensor, rows: int, hidden_size: int, dtype: torch.dtype, top_k: int,
+           with_routing: bool):
+    """(hidden, topk_ids, topk_weights) viewed in place from a received message."""
+    if not with_routing:
+        return buf, None, None
+    n = rows * top_k * 4
+    ids = buf[:n].view(torch.int32).view(rows, top_k)
+    weights = buf[n:2 * n].view(torch.float32).view(rows, top_k)
+    hidden = buf[2 * n:].view(dtype).view(rows, hidden_size)
+    return hidden, ids, weights
+
+
+@dataclass
+class SyncLinks:
+    """The world, data I/O and control plane one half of a sync connector works with."""
+
+    world: AFDWorld
+    data: PeerIO
+    control: GlooControlPlane
+
+
+def open_p2p_world(connector) -> SyncLinks:
+    """Rendezvous, handshake and groups for either half of the P2P connector."""
+    cfg, topo = connector.config, connector.topology
+    backend = cfg.extra.backend or default_backend(connector.device)
+    world = AFDWorld(cfg, connector.local_rank, topo.world_size, topo.global_rank,
+                     connector.fingerprint(), connector.timeouts.first_step_s)
+    try:
+        data_group = world.group("data", backend)
+        ctrl_group = data_group if backend == "gloo" else world.group("control", "gloo")
+        data = PeerIO(data_group, world.describe)
+        ctrl_io = data if ctrl_group is data_group else PeerIO(ctrl_group, world.describe)
+        control = GlooControlPlane(ctrl_io, link_peers(topo, cfg.role, connector.local_rank),
+                                   cfg.role, connector.timeouts.step_s)
+    except BaseException:
+        world.close()
+        raise
+    return SyncLinks(world, data, control)

@@ -1,0 +1,63 @@
+"""Connector lookup through entry points.
+
+Each package registers the halves it ships in the ``afd.connectors`` group, named
+``"<role>:<ConnectorName>"`` (for example ``"ffn:P2pAFDConnector"``). That is the only place a
+connector's name is written: a third party adds a connector by shipping its own entry points, and
+an alias (``P2pNcclAFDConnector``) is one more entry point to the same class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+from afd_common.config import ROLES
+from afd_common.errors import AFDConfigError
+
+GROUP = "afd.connectors"
+ROLE_PACKAGES = {"attention": "afd-attention", "ffn": "afd-ffn"}
+
+
+@dataclass(frozen=True)
+class ConnectorEntry:
+    name: str
+    role: str
+    entry_point: EntryPoint
+
+    @property
+    def distribution(self) -> str | None:
+        dist = getattr(self.entry_point, "dist", None)
+        return dist.name if dist is not None else None
+
+
+def installed_connectors() -> dict[str, dict[str, ConnectorEntry]]:
+    """``{connector name: {role: entry}}`` of every half installed in this environment."""
+    out: dict[str, dict[str, ConnectorEntry]] = {}
+    for ep in entry_points(group=GROUP):
+        role, sep, name = ep.name.partition(":")
+        if not sep or role not in ROLES or not name:
+            continue  # not ours to interpret; a malformed third-party name is ignored
+        out.setdefault(name, {})[role] = ConnectorEntry(name, role, ep)
+    return out
+
+
+def resolve_connector(name: str, role: str) -> type[Any]:
+    """The class implementing ``role``'s half of connector ``name``.
+
+    Raises ``AFDConfigError`` (field ``connector``) listing the installed names when the name is
+    unknown, or saying which package to install when only the other role's half is here.
+    """
+    installed = installed_connectors()
+    halves = installed.get(name)
+    if not halves:
+        names = ", ".join(sorted(installed)) or "none (install afd-attention or afd-ffn)"
+        raise AFDConfigError("connector", name, f"unknown connector; installed: {names}")
+    entry = halves.get(role)
+    if entry is None:
+        other = next(iter(halves.values()))
+        package = ROLE_PACKAGES[role] if other.distribution in ROLE_PACKAGES.values() else (
+            f"the {role} half shipped alongside {other.distribution or 'the other half'}")
+        raise AFDConfigError("connector", name, f"its {role} half is not installed in this "
+                             f"environment (only its {other.role} half is); install {package}")
+    return entry.entry_point.load()

@@ -1,0 +1,237 @@
+"""Process groups of our own, bounded waits and non-blocking sends over torch.distributed.
+
+Each role is a vLLM instance that already owns torch.distributed's default group, so AFD never
+touches it: the connector builds its own store and its own process groups (Gloo on CPU, NCCL on
+CUDA, HCCL on NPU) from the c10d classes directly. The rendezvous socket is bound by us to the
+configured host only and handed to the TCPStore.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from afd_common.errors import AFDPeerError, AFDTimeoutError
+
+logger = logging.getLogger("afd")
+
+PROGRESS_EVERY_S = 10.0
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise AFDPeerError(f"cannot bind the AFD rendezvous to {host}:{port}: {e} "
+                           "(is another AFD role or process using this port?)") from None
+    sock.listen(128)
+    return sock
+
+
+class Rendezvous:
+    """A TCPStore for one AFD world. The FFN rank 0 hosts it; everyone else connects.
+
+    Connecting retries in short slices so a long wait for the other role prints progress instead
+    of looking like a hang, and gives up with a clear error at the deadline.
+    """
+
+    def __init__(self, host: str, port: int, is_master: bool, timeout_s: float, what: str):
+        self.host, self.port = host, port
+        self._sock: socket.socket | None = None
+        start = time.monotonic()
+        if is_master:
+            self._sock = _listen_socket(host, port)
+            self.store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s),
+                                       wait_for_workers=False,
+                                       master_listen_fd=self._sock.fileno())
+            return
+        last_log = start
+        while True:
+            left = timeout_s - (time.monotonic() - start)
+            try:
+                self.store = dist.TCPStore(host, port, None, False,
+                                           timedelta(seconds=max(1.0, min(5.0, left))))
+                return
+            except (RuntimeError, dist.DistStoreError) as e:
+                now = time.monotonic()
+                if now - start >= timeout_s:
+                    raise AFDTimeoutError(f"{what}: no AFD rendezvous at {host}:{port} after "
+                                          f"{timeout_s:.0f} s ({e})") from None
+                if now - last_log >= PROGRESS_EVERY_S:
+                    logger.info("%s: waiting for the AFD rendezvous at %s:%d (%.0f s)", what,
+                                host, port, now - start)
+                    last_log = now
+                time.sleep(0.2)
+
+    def wait_keys(self, keys: list[str], timeout_s: float, what: str) -> None:
+        """Wait for keys with progress logs; AFDTimeoutError names the missing ones."""
+        start = time.monotonic()
+        while True:
+            missing = [k for k in keys if not self.store.check([k])]
+            if not missing:
+                return
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                raise AFDTimeoutError(f"{what}: still missing {missing} after {timeout_s:.0f} s")
+            try:
+                self.store.wait(missing, timedelta(seconds=min(PROGRESS_EVERY_S,
+                                                               max(0.1, timeout_s - waited))))
+            except (RuntimeError, dist.DistStoreError) as e:
+                if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                    raise AFDPeerError(f"{what}: rendezvous store at {self.host}:{self.port} "
+                                       f"failed: {e}") from None
+                logger.info("%s: waiting for %s (%.0f s)", what, ", ".join(missing),
+                            time.monotonic() - start)
+
+    def close(self) -> None:
+        self.store = None  # type: ignore[assignment]
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int,
+              timeout_s: float, host: str) -> dist.ProcessGroup:
+    """A standalone process group (not registered as torch.distributed's default)."""
+    pstore = dist.PrefixStore(prefix, store)
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        # On loopback pin the device to 127.0.0.1: the hostname may resolve to an address that
+        # is not routable inside a sandbox. Otherwise Gloo's default device (GLOO_SOCKET_IFNAME).
+        device = (dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if is_loopback(host)
+                  else dist.ProcessGroupGloo.create_default_device())
+        opts._devices = [device]
+        return dist.ProcessGroupGloo(pstore, rank, size, opts)
+    if backend == "nccl":  # pragma: no cover - needs CUDA; not exercised on the CPU machines
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(pstore, rank, size, opts)
+    if backend == "hccl":  # pragma: no cover - needs torch-npu; not exercised here
+        import torch_npu  # noqa: F401
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+        opts = ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupHCCL(pstore, rank, size, opts)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def default_backend(device: torch.device) -> str:
+    return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
+
+
+@dataclass
+class PendingRecv:
+    work: object
+    tensor: torch.Tensor
+    src: int
+    what: str
+
+
+class PeerIO:
+    """Point-to-point on one group: sends never block, receives are bounded and named.
+
+    Gloo reads a sent tensor after ``send`` returns and only learns that the peer took it inside
+    ``wait``, so each send is kept (tensor alive) until it is known to be done: a reply from the
+    same peer proves the peer received everything we sent before, so a successful ``recv`` from a
+    peer settles our earlier sends to it at no cost. ``flush`` settles the rest with a bound.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, describe_rank):
+        self.group = group
+        self._describe = describe_rank  # global rank -> "FFN rank 1" etc.
+        self._pending: dict[int, list[tuple[object, torch.Tensor]]] = {}
+        self.is_gloo = _backend_name(group) == "gloo"
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        try:
+            work = self.group.send([tensor], dst, tag)
+        except RuntimeError as e:
+            raise AFDPeerError(f"send to {self._describe(dst)} failed: {_first_line(e)}") from None
+        self._pending.setdefault(dst, []).append((work, tensor))
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> PendingRecv:
+        """Post a receive now (so the transport can land data early); wait for it later."""
+        try:
+            work = self.group.recv([tensor], src, tag)
+        except RuntimeError as e:
+            raise AFDPeerError(f"lost {self._describe(src)} before receiving {what}: "
+                               f"{_first_line(e)}") from None
+        return PendingRecv(work, tensor, src, what)
+
+    def wait(self, pending: PendingRecv, timeout_s: float) -> torch.Tensor:
+        try:
+            if self.is_gloo:
+                pending.work.wait(timedelta(seconds=timeout_s))
+            else:  # pragma: no cover - NCCL/HCCL: stream-ordered; the group timeout bounds it
+                pending.work.wait()
+        except RuntimeError as e:
+            src = self._describe(pending.src)
+            if _is_timeout(e):
+                raise AFDTimeoutError(f"no {pending.what} from {src} within {timeout_s:g} s "
+                                      "(is the peer alive and in the same step?)") from None
+            raise AFDPeerError(f"lost {src} while waiting for {pending.what}: "
+                               f"{_first_line(e)}") from None
+        self._settle(pending.src, timeout_s)
+        return pending.tensor
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout_s: float,
+             what: str) -> torch.Tensor:
+        return self.wait(self.irecv(tensor, src, tag, what), timeout_s)
+
+    def _settle(self, dst: int, timeout_s: float) -> None:
+        for work, _ in self._pending.pop(dst, ()):
+            try:
+                if self.is_gloo:
+                    work.wait(timedelta(seconds=timeout_s))
+                else:  # pragma: no cover
+                    work.wait()
+            except RuntimeError as e:
+                kind = AFDTimeoutError if _is_timeout(e) else AFDPeerError
+                raise kind(f"{self._describe(dst)} did not take a message we sent: "
+                           f"{_first_line(e)}") from None
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait (bounded) until every peer took what we sent."""
+        for dst in list(self._pending):
+            self._settle(dst, timeout_s)
+
+    def abandon(self) -> None:
+        self._pending.clear()
+
+
+def _backend_name(group) -> str:
+    try:
+        return group.name().lower()
+    except Exception:  # noqa: BLE001 - a wrapper without name(): assume the CPU transport
+        return "gloo"
+
+
+def _is_timeout(e: BaseException) -> bool:
+    msg = str(e).lower()
+    return "timed out" in msg or "timeout" in msg
+
+
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip()
+    return msg.splitlines()[0] if msg else type(e).__name__

@@ -1,0 +1,132 @@
+"""Forming one AFD world: rendezvous, handshake, then the process groups.
+
+Every connector goes through here, so the rules hold for all of them: the FFN rank 0 hosts the
+rendezvous on the configured host; each rank claims its place (two processes claiming the same
+rank is an error, not a silent mix-up); every rank publishes a fingerprint and compares every
+other rank's with its own *before* any process group exists, so roles that do not belong together
+refuse each other with one error naming the field and both values.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from afd_common import __version__
+from afd_common.codec import WIRE_VERSION, decode_json, encode_json
+from afd_common.config import AFDConfig
+from afd_common.errors import AFDHandshakeError, AFDProtocolError
+from afd_common.transport import Rendezvous, new_group
+
+logger = logging.getLogger("afd")
+
+
+class AFDWorld:
+    """Ranks ``0..world_size-1`` of one AFD deployment, laid out by the connector.
+
+    ``global_rank_of(role, local_rank)`` is the connector's layout (attention-first for P2P and
+    CAMAsync, FFN-first for CAMP2p).
+    """
+
+    def __init__(self, config: AFDConfig, local_rank: int, world_size: int,
+                 global_rank_of: Callable[[str, int], int], fingerprint: dict[str, Any],
+                 timeout_s: float):
+        self.config = config
+        self.world_size = world_size
+        self._global_rank_of = global_rank_of
+        self.rank = global_rank_of(config.role, local_rank)
+        self.timeout_s = timeout_s
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self._roles = {global_rank_of("attention", a): ("attention", a)
+                       for a in range(config.num_attention_ranks)}
+        self._roles.update({global_rank_of("ffn", f): ("ffn", f)
+                            for f in range(config.num_ffn_ranks)})
+        self.what = f"AFD {config.role} rank {local_rank}"
+        is_master = self.rank == global_rank_of("ffn", 0)
+        self.rendezvous = Rendezvous(config.host, config.port, is_master, timeout_s, self.what)
+        try:
+            self._claim_rank()
+            self._handshake(fingerprint)
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self, global_rank: int) -> str:
+        role, local = self._roles.get(global_rank, ("?", global_rank))
+        return f"{'FFN' if role == 'ffn' else role} rank {local} (global {global_rank})"
+
+    def _claim_rank(self) -> None:
+        store = self.rendezvous.store
+        me = f"{os.getpid()}@{secrets.token_hex(4)}".encode()
+        got = store.compare_set(f"afd/claim/{self.rank}", b"", me)
+        if bytes(got) != me:
+            raise AFDHandshakeError(f"{self.what}: {self.describe(self.rank)} is already taken by "
+                                    f"another process at {self.config.host}:{self.config.port}; "
+                                    "check each process's rank and num_*_ranks")
+
+    def _handshake(self, fingerprint: dict[str, Any]) -> None:
+        store = self.rendezvous.store
+        hello = {"afd_version": __version__, "wire_version": WIRE_VERSION,
+                 "role": self.config.role, "rank": self.rank, "fingerprint": fingerprint}
+        store.set(f"afd/hello/{self.rank}", encode_json(hello))
+        others = [r for r in range(self.world_size) if r != self.rank]
+        keys = [f"afd/hello/{r}" for r in others]
+        start = time.monotonic()
+        self.rendezvous.wait_keys(keys, self.timeout_s, f"{self.what}: handshake")
+        for r in others:
+            try:
+                peer = decode_json(bytes(store.get(f"afd/hello/{r}")))
+            except AFDProtocolError as e:
+                raise AFDHandshakeError(f"{self.what}: {self.describe(r)} sent a malformed "
+                                        f"hello: {e}") from None
+            self._compare(r, hello, peer)
+        logger.info("%s: handshake with %d peers ok (%.1f s)", self.what, len(others),
+                    time.monotonic() - start)
+
+    def _compare(self, r: int, ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+        peer = self.describe(r)
+        for key in ("wire_version", "afd_version"):
+            if theirs.get(key) != ours[key]:
+                raise AFDHandshakeError(f"{self.what}: {key} differs: ours {ours[key]!r}, "
+                                        f"{peer} has {theirs.get(key)!r}")
+        expected_role = self._roles[r][0]
+        if theirs.get("role") != expected_role or theirs.get("rank") != r:
+            raise AFDHandshakeError(f"{self.what}: global rank {r} should be {expected_role}, "
+                                    f"peer says role {theirs.get('role')!r} rank "
+                                    f"{theirs.get('rank')!r}")
+        fp_ours, fp_theirs = ours["fingerprint"], theirs.get("fingerprint")
+        if not isinstance(fp_theirs, dict):
+            raise AFDHandshakeError(f"{self.what}: {peer} sent no fingerprint")
+        for key in sorted(set(fp_ours) | set(fp_theirs)):
+            if fp_ours.get(key) != fp_theirs.get(key):
+                raise AFDHandshakeError(
+                    f"{self.what}: refusing {peer}: {key!r} differs: this {self.config.role} "
+                    f"role has {fp_ours.get(key)!r}, the peer has {fp_theirs.get(key)!r}")
+
+    def group(self, name: str, backend: str) -> dist.ProcessGroup:
+        """A process group over the whole world, created once per name."""
+        if name not in self.groups:
+            self.groups[name] = new_group(backend, self.rendezvous.store, f"afd/pg/{name}",
+                                          self.rank, self.world_size, self.timeout_s,
+                                          self.config.host)
+        return self.groups[name]
+
+    def close(self) -> None:
+        for pg in self.groups.values():
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 - best effort; the process may be going away
+                pass
+        self.groups.clear()
+        self.rendezvous_close()
+
+    def rendezvous_close(self) -> None:
+        rv = getattr(self, "rendezvous", None)
+        if rv is not None:
+            rv.close()

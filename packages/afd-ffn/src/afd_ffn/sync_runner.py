@@ -1,0 +1,59 @@
+"""The FFN sync runner: the control plane's step message drives it.
+
+Per step: wait for the step metadata, then for each MoE layer and each micro-batch stage, receive
+the rows, run the experts, send the result. Stages are served in order, so the attention side can
+overlap stage s+1's attention with stage s's experts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from afd_common.contract import FFNConnector, StepPlan
+from afd_common.metadata import StepKind, WorkItem
+
+logger = logging.getLogger("afd")
+
+ComputeFn = Callable[[WorkItem, StepPlan], torch.Tensor]
+
+
+class SyncFFNRunner:
+    """``compute(item, plan)`` returns the expert output for ``item`` (same rows, same dtype)."""
+
+    def __init__(self, connector: FFNConnector, compute: ComputeFn,
+                 moe_layers: tuple[int, ...] | None = None):
+        self.connector = connector
+        self.compute = compute
+        self.moe_layers = tuple(moe_layers if moe_layers is not None
+                                else connector.shape.moe_layers)
+        self.steps_done = 0
+        self.last_step_at: float | None = None
+
+    def run_step(self) -> bool:
+        """Serve one step. False once the attention side said STOP."""
+        conn = self.connector
+        plan = conn.recv_step()
+        if plan.kind == StepKind.STOP:
+            logger.info("AFD FFN rank %d: attention side stopped after %d steps",
+                        conn.local_rank, self.steps_done)
+            return False
+        for layer in self.moe_layers:
+            for stage in range(plan.num_stages):
+                item = conn.recv_ffn_work_item(stage, layer_idx=layer)
+                if item.num_tokens == 0:
+                    continue  # nothing came in, nothing goes back
+                conn.send_ffn_output(self.compute(item, plan), item)
+        conn.end_step()
+        self.steps_done += 1
+        self.last_step_at = time.monotonic()
+        return True
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> int:
+        """Serve steps until STOP (or ``should_stop``). Returns the number of steps served."""
+        while not should_stop() and self.run_step():
+            pass
+        return self.steps_done
