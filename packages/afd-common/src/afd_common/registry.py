@@ -17,6 +17,7 @@ from afd_common.errors import AFDConfigError
 
 GROUP = "afd.connectors"
 ROLE_PACKAGES = {"attention": "afd-attention", "ffn": "afd-ffn"}
+OUR_MODULES = {"afd_attention", "afd_ffn"}
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,10 @@ def resolve_connector(name: str, role: str) -> type[Any]:
     entry = halves.get(role)
     if entry is None:
         other = next(iter(halves.values()))
-        package = ROLE_PACKAGES[role] if other.distribution in ROLE_PACKAGES.values() else (
-            f"the {role} half shipped alongside {other.distribution or 'the other half'}")
+        ours = (other.distribution in ROLE_PACKAGES.values()
+                or other.entry_point.module.split(".")[0] in OUR_MODULES)
+        package = ROLE_PACKAGES[role] if ours else (
+            f"the {role} half shipped alongside {other.distribution or other.entry_point.value}")
         raise AFDConfigError("connector", name, f"its {role} half is not installed in this "
                              f"environment (only its {other.role} half is); install {package}")
     return entry.entry_point.load()

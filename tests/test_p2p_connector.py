@@ -1,0 +1,95 @@
+"""The P2P connector between spawned ranks over Gloo on 127.0.0.1."""
+
+import time
+
+import pytest
+import torch
+
+from afd_common.config import parse_afd_config
+from afd_common.errors import AFDConfigError
+from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
+from afd_common.registry import resolve_connector
+from afd_common.selftest import Spec, run_world
+
+pytestmark = pytest.mark.multiproc
+
+TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 2)]
+
+
+def assert_all_ok(results, spec):
+    msgs = [f"{r.role} {r.rank}: {r.status} {r.detail}" for r in results if r.status != "ok"]
+    assert not msgs, "\n".join(msgs)
+    checked = sum(r.detail["rows_checked"] for r in results if r.role == "attention")
+    served = sum(r.detail["rows"] for r in results if r.role == "ffn")
+    # Every row went out once and came back once; with A < F rows are split, never duplicated.
+    assert checked == served > 0
+    assert all(r.detail["steps"] == spec.steps for r in results if r.role == "ffn")
+
+
+@pytest.mark.parametrize("A,F", TOPOLOGIES, ids=[f"{a}A{f}F" for a, f in TOPOLOGIES])
+def test_topologies_exact(A, F):
+    spec = Spec(A, F, steps=4, num_layers=4, stages=2, timeout_s=30)
+    assert_all_ok(run_world(spec), spec)
+
+
+@pytest.mark.parametrize("A,F", [(2, 1), (2, 3)], ids=["2A1F", "2A3F"])
+def test_gate_on_attention_routing_travels_with_hidden(A, F):
+    spec = Spec(A, F, steps=3, gate_on_attention=True, dtype="bfloat16", timeout_s=30)
+    assert_all_ok(run_world(spec), spec)
+
+
+def test_nccl_alias_and_one_stage():
+    spec = Spec(1, 1, connector="P2pNcclAFDConnector", steps=2, stages=1, timeout_s=30)
+    assert_all_ok(run_world(spec), spec)
+
+
+def test_peer_killed_mid_step_fails_fast():
+    timeout = 8.0
+    spec = Spec(2, 1, steps=5, timeout_s=timeout, die_ffn_rank=0, die_at=(2, 1))
+    start = time.monotonic()
+    results = run_world(spec, deadline_s=60)
+    by = {(r.role, r.rank): r for r in results}
+    assert by[("ffn", 0)].status == "exit" and by[("ffn", 0)].detail == 17
+    for a in range(2):
+        r = by[("attention", a)]
+        assert r.status == "error", r
+        assert "FFN rank 0" in r.detail and ("AFDPeerError" in r.detail
+                                             or "AFDTimeoutError" in r.detail), r.detail
+        # Measured from the moment the parent saw the FFN process gone.
+        assert r.seconds - by[("ffn", 0)].seconds < timeout + 2, (r.seconds,
+                                                                  by[("ffn", 0)].seconds)
+    assert time.monotonic() - start < timeout + 20
+
+
+def test_attention_side_refuses_bad_input_before_sending():
+    """Bad hidden size, dtype, layer or row count: a clear ValueError, and no process group."""
+    cfg = parse_afd_config({"role": "attention", "port": 1})
+    shape = ModelShape(hidden_size=16, dtype=torch.float32, num_layers=4, moe_layers=(1, 2, 3))
+    conn = resolve_connector("P2pAFDConnector", "attention")(cfg, 0, shape)
+    conn._net = object()  # pretend init happened; the checks run before any transport call
+    conn._step = StepMetadata(0, StepKind.RUN, (3,))
+    cases = [
+        (torch.zeros(3, 15), LayerCall(1), "hidden_size"),
+        (torch.zeros(3, 16, dtype=torch.bfloat16), LayerCall(1), "dtype"),
+        (torch.zeros(3, 16), LayerCall(0), "not an MoE layer"),
+        (torch.zeros(3, 16), LayerCall(7), "layer index 7"),
+        (torch.zeros(3, 16), LayerCall(1, stage=1), "stage 1 out of range"),
+        (torch.zeros(2, 16), LayerCall(1), "announced 3"),
+    ]
+    for hidden, call, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            conn.send_attn_output(hidden, call)
+
+
+def test_bad_rank_and_role_are_refused_before_any_socket():
+    cfg = parse_afd_config({"role": "ffn", "num_ffn_ranks": 2, "port": 1})
+    shape = ModelShape(hidden_size=16, dtype=torch.float32, num_layers=1, moe_layers=(0,))
+    with pytest.raises(ValueError, match="ffn rank 2 out of range"):
+        resolve_connector("P2pAFDConnector", "ffn")(cfg, 2, shape)
+    with pytest.raises(ValueError, match="attention half"):
+        resolve_connector("P2pAFDConnector", "attention")(cfg, 0, shape)
+
+
+def test_bad_spec_fails_before_spawning():
+    with pytest.raises(AFDConfigError, match="num_ffn_ranks"):
+        run_world(Spec(1, 0))
