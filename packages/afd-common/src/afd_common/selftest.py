@@ -48,6 +48,8 @@ class Spec:
     # Fault injection (tests): this FFN rank exits hard when it reaches this (step, layer).
     die_ffn_rank: int | None = None
     die_at: tuple[int, int] = (1, 1)
+    # Mismatch injection (tests): fields of this spec that differ on the FFN side.
+    ffn_changes: dict = field(default_factory=dict)
 
     def shape(self) -> ModelShape:
         return ModelShape(hidden_size=self.hidden_size, dtype=getattr(torch, self.dtype),
@@ -114,7 +116,7 @@ def attention_rank(spec: Spec, rank: int) -> dict:
 
 
 def ffn_rank(spec: Spec, rank: int) -> dict:
-    from afd_common.registry import installed_connectors  # noqa: F401 - registry warm-up
+    spec = replace(spec, **spec.ffn_changes)
     cls = resolve_connector(spec.connector, "ffn")
     conn = cls(spec.config("ffn"), rank, spec.shape())
     served = {"rows": 0, "steps": 0}

@@ -3,8 +3,13 @@
 Real checkpoints are far too big for CI, and a model whose outputs are meaningless is fine as long
 as they are deterministic and *sensitive*: AFD moves the MoE half of every layer to another
 process, so the tests compare its greedy tokens with plain vLLM's on the same checkpoint. For that
-comparison to catch bugs the weights have realistic scales (std 0.02, unit norms), the router is
-sharp enough that different tokens pick different experts, and ``routed_scaling_factor`` is not 1.
+comparison to catch bugs the weights have realistic scales, the router is sharp enough that
+different tokens pick different experts, and ``routed_scaling_factor`` is not 1.
+
+Scales: embeddings std 0.02 and norms 1, as real initialisations; projections std 1/sqrt(fan_in),
+which is the usual 0.01-0.02 at real widths. A flat 0.02 at hidden 128 shrinks every layer's output
+about 4x: attention goes uniform, the model repeats one token whatever the prompt, and swapping
+every routed expert changes no token at all, so the tests could not tell right from wrong.
 
 ``experts_seed`` reseeds only the routed experts. A checkpoint that differs from another in
 nothing else is the negative control: if the FFN side secretly used its own weights (or none),
@@ -47,9 +52,12 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 MAX_POSITIONS = 2048
-STD = 0.02  # linear layers and embeddings, as in real initialisations
-ROUTER_STD = 0.1  # logits ~ N(0, 1.1) on normalised input: routing differs token to token
-BIAS_STD = 0.05  # DeepSeek-V3 e_score_correction_bias, big enough to move some top-k picks
+# Weight kinds -> std; "linear" is 1/sqrt(fan_in) and "ones" is a norm weight.
+STDS: dict[str, float] = {
+    "embed": 0.02,
+    "router": 0.1,  # logits ~ N(0, 1.1) on normalised input: routing differs token to token
+    "bias": 0.05,  # DeepSeek-V3 e_score_correction_bias, big enough to move some top-k picks
+}
 # DeepSeek MLA: vLLM's CPU MLA backend only takes head size kv_lora_rank + qk_rope_head_dim = 576.
 MLA_HEADS, KV_LORA_RANK, QK_ROPE, QK_NOPE, V_HEAD, V3_Q_LORA_RANK = 4, 512, 64, 32, 32, 64
 QWEN_HEADS, QWEN_KV_HEADS, QWEN_HEAD_DIM = 4, 2, 32
@@ -99,10 +107,10 @@ def _derived_seed(stream_seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _tensor(name: str, shape: tuple[int, ...], std: float | None, stream_seed: int) -> torch.Tensor:
-    """``std`` None means a norm weight: all ones, like a freshly initialised RMSNorm."""
-    if std is None:
+def _tensor(name: str, shape: tuple[int, ...], kind: str, stream_seed: int) -> torch.Tensor:
+    if kind == "ones":
         return torch.ones(shape, dtype=torch.float32)
+    std = shape[-1] ** -0.5 if kind == "linear" else STDS[kind]
     gen = torch.Generator().manual_seed(_derived_seed(stream_seed, name))
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
@@ -127,7 +135,7 @@ def _common_config(arch: str, shape: dict[str, int], vocab: int, bos: int, eos: 
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "initializer_range": STD,
+        "initializer_range": STDS["embed"],
         "tie_word_embeddings": False,
         "use_cache": True,
         "bos_token_id": bos,
@@ -187,15 +195,15 @@ def _qwen3_moe_config(arch: str, shape: dict[str, int], vocab: int, bos: int, eo
 
 
 # --------------------------------------------------------------------------- tensors
-# Each spec is (name, shape, std or None for ones, is_routed_expert).
+# Each spec is (name, shape, kind, is_routed_expert); kind is "ones" or a key of STDS or "linear".
 
-Spec = tuple[str, tuple[int, ...], float | None, bool]
+Spec = tuple[str, tuple[int, ...], str, bool]
 
 
-def _mlp(prefix: str, hidden: int, inter: int, std: float, routed: bool = False) -> Iterator[Spec]:
-    yield f"{prefix}.gate_proj.weight", (inter, hidden), std, routed
-    yield f"{prefix}.up_proj.weight", (inter, hidden), std, routed
-    yield f"{prefix}.down_proj.weight", (hidden, inter), std, routed
+def _mlp(prefix: str, hidden: int, inter: int, routed: bool = False) -> Iterator[Spec]:
+    yield f"{prefix}.gate_proj.weight", (inter, hidden), "linear", routed
+    yield f"{prefix}.up_proj.weight", (inter, hidden), "linear", routed
+    yield f"{prefix}.down_proj.weight", (hidden, inter), "linear", routed
 
 
 def _deepseek_tensors(cfg: dict) -> Iterator[Spec]:
@@ -204,30 +212,30 @@ def _deepseek_tensors(cfg: dict) -> Iterator[Spec]:
     kv_rank, q_rank = cfg["kv_lora_rank"], cfg["q_lora_rank"]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        yield f"{p}.input_layernorm.weight", (h,), None, False
-        yield f"{p}.post_attention_layernorm.weight", (h,), None, False
+        yield f"{p}.input_layernorm.weight", (h,), "ones", False
+        yield f"{p}.post_attention_layernorm.weight", (h,), "ones", False
         a = f"{p}.self_attn"
         if q_rank:
-            yield f"{a}.q_a_proj.weight", (q_rank, h), STD, False
-            yield f"{a}.q_a_layernorm.weight", (q_rank,), None, False
-            yield f"{a}.q_b_proj.weight", (heads * qk_dim, q_rank), STD, False
+            yield f"{a}.q_a_proj.weight", (q_rank, h), "linear", False
+            yield f"{a}.q_a_layernorm.weight", (q_rank,), "ones", False
+            yield f"{a}.q_b_proj.weight", (heads * qk_dim, q_rank), "linear", False
         else:
-            yield f"{a}.q_proj.weight", (heads * qk_dim, h), STD, False
-        yield f"{a}.kv_a_proj_with_mqa.weight", (kv_rank + cfg["qk_rope_head_dim"], h), STD, False
-        yield f"{a}.kv_a_layernorm.weight", (kv_rank,), None, False
+            yield f"{a}.q_proj.weight", (heads * qk_dim, h), "linear", False
+        yield f"{a}.kv_a_proj_with_mqa.weight", (kv_rank + cfg["qk_rope_head_dim"], h), "linear", False
+        yield f"{a}.kv_a_layernorm.weight", (kv_rank,), "ones", False
         kv_b_out = heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
-        yield f"{a}.kv_b_proj.weight", (kv_b_out, kv_rank), STD, False
-        yield f"{a}.o_proj.weight", (h, heads * cfg["v_head_dim"]), STD, False
+        yield f"{a}.kv_b_proj.weight", (kv_b_out, kv_rank), "linear", False
+        yield f"{a}.o_proj.weight", (h, heads * cfg["v_head_dim"]), "linear", False
         if i < cfg["first_k_dense_replace"]:
-            yield from _mlp(f"{p}.mlp", h, cfg["intermediate_size"], STD)
+            yield from _mlp(f"{p}.mlp", h, cfg["intermediate_size"])
             continue
         experts, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-        yield f"{p}.mlp.gate.weight", (experts, h), ROUTER_STD, False
+        yield f"{p}.mlp.gate.weight", (experts, h), "router", False
         if cfg["topk_method"] == "noaux_tc":
-            yield f"{p}.mlp.gate.e_score_correction_bias", (experts,), BIAS_STD, False
-        yield from _mlp(f"{p}.mlp.shared_experts", h, inter * cfg["n_shared_experts"], STD)
+            yield f"{p}.mlp.gate.e_score_correction_bias", (experts,), "bias", False
+        yield from _mlp(f"{p}.mlp.shared_experts", h, inter * cfg["n_shared_experts"])
         for e in range(experts):
-            yield from _mlp(f"{p}.mlp.experts.{e}", h, inter, STD, routed=True)
+            yield from _mlp(f"{p}.mlp.experts.{e}", h, inter, routed=True)
 
 
 def _qwen3_moe_tensors(cfg: dict) -> Iterator[Spec]:
@@ -235,26 +243,26 @@ def _qwen3_moe_tensors(cfg: dict) -> Iterator[Spec]:
     q_out, kv_out = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        yield f"{p}.input_layernorm.weight", (h,), None, False
-        yield f"{p}.post_attention_layernorm.weight", (h,), None, False
+        yield f"{p}.input_layernorm.weight", (h,), "ones", False
+        yield f"{p}.post_attention_layernorm.weight", (h,), "ones", False
         a = f"{p}.self_attn"
-        yield f"{a}.q_proj.weight", (q_out, h), STD, False
-        yield f"{a}.k_proj.weight", (kv_out, h), STD, False
-        yield f"{a}.v_proj.weight", (kv_out, h), STD, False
-        yield f"{a}.o_proj.weight", (h, q_out), STD, False
-        yield f"{a}.q_norm.weight", (hd,), None, False
-        yield f"{a}.k_norm.weight", (hd,), None, False
-        yield f"{p}.mlp.gate.weight", (cfg["num_experts"], h), ROUTER_STD, False
+        yield f"{a}.q_proj.weight", (q_out, h), "linear", False
+        yield f"{a}.k_proj.weight", (kv_out, h), "linear", False
+        yield f"{a}.v_proj.weight", (kv_out, h), "linear", False
+        yield f"{a}.o_proj.weight", (h, q_out), "linear", False
+        yield f"{a}.q_norm.weight", (hd,), "ones", False
+        yield f"{a}.k_norm.weight", (hd,), "ones", False
+        yield f"{p}.mlp.gate.weight", (cfg["num_experts"], h), "router", False
         for e in range(cfg["num_experts"]):
-            yield from _mlp(f"{p}.mlp.experts.{e}", h, cfg["moe_intermediate_size"], STD, True)
+            yield from _mlp(f"{p}.mlp.experts.{e}", h, cfg["moe_intermediate_size"], True)
 
 
 def _all_tensors(cfg: dict) -> Iterator[Spec]:
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
-    yield "model.embed_tokens.weight", (vocab, h), STD, False
+    yield "model.embed_tokens.weight", (vocab, h), "embed", False
     yield from (_qwen3_moe_tensors if cfg["model_type"] == "qwen3_moe" else _deepseek_tensors)(cfg)
-    yield "model.norm.weight", (h,), None, False
-    yield "lm_head.weight", (vocab, h), STD, False
+    yield "model.norm.weight", (h,), "ones", False
+    yield "lm_head.weight", (vocab, h), "linear", False
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -338,10 +346,11 @@ def write_tiny_model(arch: str, out_dir: str | Path, *, seed: int = 0,
     cfg = make_config(arch, shape, vocab, bos, eos)
 
     tensors = {
-        name: _tensor(name, dims, std, experts_seed if routed else seed)
-        for name, dims, std, routed in _all_tensors(cfg)
+        name: _tensor(name, dims, kind, experts_seed if routed else seed)
+        for name, dims, kind, routed in _all_tensors(cfg)
     }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # save_file makes it 0600; other users serve it too
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
     _write_tokenizer(out, tok)

@@ -5,10 +5,17 @@ rendezvous on the configured host; each rank claims its place (two processes cla
 rank is an error, not a silent mix-up); every rank publishes a fingerprint and compares every
 other rank's with its own *before* any process group exists, so roles that do not belong together
 refuse each other with one error naming the field and both values.
+
+With an ``auth_token`` every hello carries an HMAC over the master's fresh session nonce and the
+hello itself: a peer proves it holds the token without sending it, and a peer without it (or with
+another) is refused before it can join any process group. Traffic is not encrypted.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
 import os
 import secrets
@@ -25,6 +32,13 @@ from afd_common.errors import AFDHandshakeError, AFDProtocolError
 from afd_common.transport import Rendezvous, new_group
 
 logger = logging.getLogger("afd")
+
+
+def sign(token: str, session: bytes, hello: dict[str, Any]) -> str:
+    """HMAC-SHA256 of this session's nonce and the hello: proves the token, never sends it."""
+    body = json.dumps(hello, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(token.encode(), b"afd-hello\0" + session + b"\0" + body,
+                    hashlib.sha256).hexdigest()
 
 
 class AFDWorld:
@@ -51,6 +65,8 @@ class AFDWorld:
         is_master = self.rank == global_rank_of("ffn", 0)
         self.rendezvous = Rendezvous(config.host, config.port, is_master, timeout_s, self.what)
         try:
+            if is_master:
+                self.rendezvous.store.set("afd/nonce", secrets.token_hex(16))
             self._claim_rank()
             self._handshake(fingerprint)
         except BaseException:
@@ -72,12 +88,16 @@ class AFDWorld:
 
     def _handshake(self, fingerprint: dict[str, Any]) -> None:
         store = self.rendezvous.store
+        start = time.monotonic()
+        self.rendezvous.wait_keys(["afd/nonce"], self.timeout_s, f"{self.what}: rendezvous")
+        session = bytes(store.get("afd/nonce"))
         hello = {"afd_version": __version__, "wire_version": WIRE_VERSION,
                  "role": self.config.role, "rank": self.rank, "fingerprint": fingerprint}
-        store.set(f"afd/hello/{self.rank}", encode_json(hello))
+        token = self.config.extra.auth_token
+        signed = dict(hello, mac=sign(token, session, hello) if token else None)
+        store.set(f"afd/hello/{self.rank}", encode_json(signed))
         others = [r for r in range(self.world_size) if r != self.rank]
         keys = [f"afd/hello/{r}" for r in others]
-        start = time.monotonic()
         self.rendezvous.wait_keys(keys, self.timeout_s, f"{self.what}: handshake")
         for r in others:
             try:
@@ -85,9 +105,24 @@ class AFDWorld:
             except AFDProtocolError as e:
                 raise AFDHandshakeError(f"{self.what}: {self.describe(r)} sent a malformed "
                                         f"hello: {e}") from None
+            self._authenticate(r, token, session, peer)
             self._compare(r, hello, peer)
         logger.info("%s: handshake with %d peers ok (%.1f s)", self.what, len(others),
                     time.monotonic() - start)
+
+    def _authenticate(self, r: int, token: str | None, session: bytes,
+                      peer: dict[str, Any]) -> None:
+        mac = peer.pop("mac", None)
+        if token is None and mac is None:
+            return
+        who = self.describe(r)
+        if token is None:
+            raise AFDHandshakeError(f"{self.what}: refusing {who}: it authenticates with an "
+                                    "auth_token and this role has none (set "
+                                    "connector_extra_config.auth_token or AFD_AUTH_TOKEN)")
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, sign(token, session, peer)):
+            raise AFDHandshakeError(f"{self.what}: refusing {who}: authentication failed "
+                                    "(missing or different auth_token)")
 
     def _compare(self, r: int, ours: dict[str, Any], theirs: dict[str, Any]) -> None:
         peer = self.describe(r)
@@ -103,7 +138,8 @@ class AFDWorld:
         fp_ours, fp_theirs = ours["fingerprint"], theirs.get("fingerprint")
         if not isinstance(fp_theirs, dict):
             raise AFDHandshakeError(f"{self.what}: {peer} sent no fingerprint")
-        for key in sorted(set(fp_ours) | set(fp_theirs)):
+        # In fingerprint order: the most telling difference (layer count before layer list) first.
+        for key in list(fp_ours) + [k for k in fp_theirs if k not in fp_ours]:
             if fp_ours.get(key) != fp_theirs.get(key):
                 raise AFDHandshakeError(
                     f"{self.what}: refusing {peer}: {key!r} differs: this {self.config.role} "
