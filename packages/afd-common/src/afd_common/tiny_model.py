@@ -146,8 +146,19 @@ def _common_config(arch: str, shape: dict[str, int], vocab: int, bos: int, eos: 
 
 def _deepseek_config(arch: str, shape: dict[str, int], vocab: int, bos: int, eos: int) -> dict:
     """V2 is the V2-Lite recipe (no q LoRA, softmax, greedy top-k); V3 adds a q LoRA, sigmoid
-    scores with a correction bias and group-limited routing, so both MLA and both routers run."""
+    scores with a correction bias and group-limited routing, so both MLA and both routers run.
+
+    RoPE is YaRN with factor 1 (the same frequencies as plain RoPE), as in real DeepSeek configs.
+    With rope_type "default" vLLM 0.32 on CPU uses its C++ rotary kernel, which rotates MLA's
+    strided 3-D q/k_pe views wrongly for prompts over one token (output then depends on the batch);
+    the YaRN class runs in PyTorch and matches transformers to 1e-6.
+    """
     cfg = _common_config(arch, shape, vocab, bos, eos)
+    cfg["rope_parameters"] = {
+        "rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": MAX_POSITIONS,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "rope_theta": cfg["rope_theta"],
+    }
     cfg.update(
         num_attention_heads=MLA_HEADS,
         num_key_value_heads=MLA_HEADS,
