@@ -11,7 +11,7 @@ import torch
 
 from afd_common.contract import AttentionConnector, ControlPlane
 from afd_common.metadata import LayerCall, StepKind, StepMetadata
-from afd_common.p2p_wire import SyncLinks, data_tag, open_p2p_world, pack
+from afd_common.p2p_wire import WATCH_TAG, SyncLinks, data_tag, open_p2p_world, pack
 from afd_common.transport import PendingRecv
 
 
@@ -30,6 +30,11 @@ class P2pAttentionConnector(AttentionConnector):
     def init(self) -> None:
         if self._net is None:
             self._net = open_p2p_world(self)
+
+    def watch_peers(self, on_lost) -> None:
+        net = self._require_net()
+        peers = [self.topology.ffn_global_rank(link.ffn_rank) for link in self._links]
+        net.data.watch(peers, WATCH_TAG, lambda peer, reason: on_lost(reason))
 
     def begin_step(self, meta: StepMetadata) -> None:
         self._require_net()
@@ -78,6 +83,7 @@ class P2pAttentionConnector(AttentionConnector):
         net, self._net = self._net, None
         if net is None:
             return
+        net.data.closing = net.control.io.closing = True
         try:
             if not self._inflight:
                 # Tell the FFN side we are done so its runner ends cleanly instead of timing out.

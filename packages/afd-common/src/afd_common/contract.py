@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -90,8 +91,9 @@ class ControlPlane(abc.ABC):
         """Attention side. Does not wait for the FFN side to be ready for the step."""
 
     @abc.abstractmethod
-    def recv_step(self, timeout_s: float) -> StepPlan:
-        """FFN side. Blocks until every served attention rank announced the step."""
+    def recv_step(self, timeout_s: float | None) -> StepPlan:
+        """FFN side. Blocks until every served attention rank announced the step; ``None``
+        waits as long as the peers are connected (an idle role may wait for days)."""
 
 
 class AFDConnector(abc.ABC):
@@ -186,6 +188,10 @@ class AttentionConnector(AFDConnector):
         """The step finished on this side: later waits use the step timeout."""
         self.timeouts.step_done()
 
+    def watch_peers(self, on_lost: Callable[[str], None]) -> None:
+        """Call ``on_lost(reason)`` (from another thread) as soon as an FFN peer is gone, also
+        while no step is running. Connectors that cannot tell leave this a no-op."""
+
 
 class FFNConnector(AFDConnector):
     role: ClassVar[str] = "ffn"
@@ -195,7 +201,7 @@ class FFNConnector(AFDConnector):
         if cp is None:
             raise RuntimeError(f"{type(self).__name__} has no control plane; "
                                "drive it with the async runner")
-        plan = cp.recv_step(self.timeouts.current())
+        plan = cp.recv_step(None)
         self.on_step(plan)
         return plan
 

@@ -36,7 +36,7 @@ class GlooControlPlane(ControlPlane):
         for peer in self.peers:
             self.io.isend(frame, peer, CONTROL_TAG)
 
-    def recv_step(self, timeout_s: float) -> StepPlan:
+    def recv_step(self, timeout_s: float | None) -> StepPlan:
         bufs = {p: self.io.irecv(torch.empty(STEP_FRAME_BYTES, dtype=torch.uint8), p,
                                  CONTROL_TAG, "the next step's metadata") for p in self.peers}
         per_source: dict[int, StepMetadata] = {}

@@ -28,6 +28,9 @@ def data_tag(layer_idx: int, stage: int) -> int:
     return layer_idx * MAX_STAGES + stage
 
 
+WATCH_TAG = 0x7FFE  # never sent: a receive on it only ends when the connection does
+
+
 def routing_nbytes(rows: int, top_k: int) -> int:
     return rows * top_k * 8
 

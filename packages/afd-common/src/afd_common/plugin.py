@@ -1,10 +1,36 @@
 """vLLM general-plugin entry point (``vllm.general_plugins``: ``afd``).
 
-vLLM calls ``register()`` once in every process it starts (API server, engine core, workers).
+vLLM calls ``register()`` once in every process it starts (API server, engine core, workers; CPU
+spawns, so nothing is inherited). It installs afd_common's patch sets, which act only on configs
+that carry an ``afd`` section: a vLLM without ``--additional-config '{"afd": ...}'`` behaves as
+if afd were not installed. Role-specific patches are installed by the role's worker.
 """
 
 from __future__ import annotations
 
+import os
+
+from afd_common.patching import PatchSet
+
+SERVER_PID_ENV = "AFD_SERVER_PID"
+_installed: list[PatchSet] = []
+
 
 def register() -> None:
-    """Nothing to install until a role is configured; see the vLLM integration."""
+    # The first vLLM process of a server is its root; children inherit this and use it to take
+    # the whole server down when their AFD peer is gone (afd_common.lifecycle).
+    os.environ.setdefault(SERVER_PID_ENV, str(os.getpid()))
+    if _installed:
+        return
+    from afd_common.patches import api_server, vllm_config
+
+    for build in (vllm_config.build, api_server.build):
+        patch = build()
+        if patch is not None:
+            patch.install()
+            _installed.append(patch)
+
+
+def unregister() -> None:
+    while _installed:
+        _installed.pop().uninstall()

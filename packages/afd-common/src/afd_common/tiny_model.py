@@ -115,32 +115,19 @@ def _tensor(name: str, shape: tuple[int, ...], kind: str, stream_seed: int) -> t
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
 
-# --------------------------------------------------------------------------- configs
-
 
 def _common_config(arch: str, shape: dict[str, int], vocab: int, bos: int, eos: int) -> dict:
     return {
-        "architectures": [ARCHS[arch]],
-        "model_type": arch,
-        "vocab_size": vocab,
-        "hidden_size": shape["hidden_size"],
-        "intermediate_size": 4 * shape["moe_intermediate_size"],
+        "architectures": [ARCHS[arch]], "model_type": arch, "torch_dtype": "float32",
+        "vocab_size": vocab, "bos_token_id": bos, "eos_token_id": eos,
+        "hidden_size": shape["hidden_size"], "num_hidden_layers": shape["num_layers"],
+        "intermediate_size": 4 * shape["moe_intermediate_size"],  # dense layers, if any
         "moe_intermediate_size": shape["moe_intermediate_size"],
-        "num_hidden_layers": shape["num_layers"],
         "num_experts_per_tok": shape["top_k"],
-        "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITIONS,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": STDS["embed"],
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "torch_dtype": "float32",
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": MAX_POSITIONS,
+        "rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "attention_bias": False, "attention_dropout": 0.0, "initializer_range": STDS["embed"],
+        "tie_word_embeddings": False, "use_cache": True,
     }
 
 
@@ -151,7 +138,7 @@ def _deepseek_config(arch: str, shape: dict[str, int], vocab: int, bos: int, eos
     RoPE is YaRN with factor 1 (the same frequencies as plain RoPE), as in real DeepSeek configs.
     With rope_type "default" vLLM 0.32 on CPU uses its C++ rotary kernel, which rotates MLA's
     strided 3-D q/k_pe views wrongly for prompts over one token (output then depends on the batch);
-    the YaRN class runs in PyTorch and matches transformers to 1e-6.
+    the YaRN class runs in PyTorch, and vLLM then matches transformers token for token.
     """
     cfg = _common_config(arch, shape, vocab, bos, eos)
     cfg["rope_parameters"] = {
@@ -160,17 +147,10 @@ def _deepseek_config(arch: str, shape: dict[str, int], vocab: int, bos: int, eos
         "rope_theta": cfg["rope_theta"],
     }
     cfg.update(
-        num_attention_heads=MLA_HEADS,
-        num_key_value_heads=MLA_HEADS,
-        kv_lora_rank=KV_LORA_RANK,
-        qk_rope_head_dim=QK_ROPE,
-        qk_nope_head_dim=QK_NOPE,
-        v_head_dim=V_HEAD,
-        n_routed_experts=shape["num_experts"],
-        n_shared_experts=1,
-        routed_scaling_factor=2.5,
-        first_k_dense_replace=1,
-        moe_layer_freq=1,
+        num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS, kv_lora_rank=KV_LORA_RANK,
+        qk_rope_head_dim=QK_ROPE, qk_nope_head_dim=QK_NOPE, v_head_dim=V_HEAD,
+        n_routed_experts=shape["num_experts"], n_shared_experts=1, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, moe_layer_freq=1,
     )
     if arch == "deepseek_v2":
         cfg.update(q_lora_rank=None, topk_method="greedy", scoring_func="softmax",
@@ -190,23 +170,15 @@ def _deepseek_config(arch: str, shape: dict[str, int], vocab: int, bos: int, eos
 def _qwen3_moe_config(arch: str, shape: dict[str, int], vocab: int, bos: int, eos: int) -> dict:
     cfg = _common_config(arch, shape, vocab, bos, eos)
     cfg.update(
-        num_attention_heads=QWEN_HEADS,
-        num_key_value_heads=QWEN_KV_HEADS,
-        head_dim=QWEN_HEAD_DIM,
-        num_experts=shape["num_experts"],
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        use_sliding_window=False,
-        sliding_window=None,
-        router_aux_loss_coef=0.001,
-        output_router_logits=False,
+        num_attention_heads=QWEN_HEADS, num_key_value_heads=QWEN_KV_HEADS, head_dim=QWEN_HEAD_DIM,
+        num_experts=shape["num_experts"], norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], use_sliding_window=False, sliding_window=None,
+        router_aux_loss_coef=0.001, output_router_logits=False,
     )
     return cfg
 
 
-# --------------------------------------------------------------------------- tensors
-# Each spec is (name, shape, kind, is_routed_expert); kind is "ones" or a key of STDS or "linear".
+# A tensor spec: (name, shape, kind, is_routed_expert); kind is "ones", "linear" or a key of STDS.
 
 Spec = tuple[str, tuple[int, ...], str, bool]
 
@@ -232,7 +204,8 @@ def _deepseek_tensors(cfg: dict) -> Iterator[Spec]:
             yield f"{a}.q_b_proj.weight", (heads * qk_dim, q_rank), "linear", False
         else:
             yield f"{a}.q_proj.weight", (heads * qk_dim, h), "linear", False
-        yield f"{a}.kv_a_proj_with_mqa.weight", (kv_rank + cfg["qk_rope_head_dim"], h), "linear", False
+        kv_a_out = kv_rank + cfg["qk_rope_head_dim"]  # latent, then the shared rope key
+        yield f"{a}.kv_a_proj_with_mqa.weight", (kv_a_out, h), "linear", False
         yield f"{a}.kv_a_layernorm.weight", (kv_rank,), "ones", False
         kv_b_out = heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
         yield f"{a}.kv_b_proj.weight", (kv_b_out, kv_rank), "linear", False
@@ -265,7 +238,7 @@ def _qwen3_moe_tensors(cfg: dict) -> Iterator[Spec]:
         yield f"{a}.k_norm.weight", (hd,), "ones", False
         yield f"{p}.mlp.gate.weight", (cfg["num_experts"], h), "router", False
         for e in range(cfg["num_experts"]):
-            yield from _mlp(f"{p}.mlp.experts.{e}", h, cfg["moe_intermediate_size"], True)
+            yield from _mlp(f"{p}.mlp.experts.{e}", h, cfg["moe_intermediate_size"], routed=True)
 
 
 def _all_tensors(cfg: dict) -> Iterator[Spec]:
@@ -275,8 +248,6 @@ def _all_tensors(cfg: dict) -> Iterator[Spec]:
     yield "model.norm.weight", (h,), "ones", False
     yield "lm_head.weight", (vocab, h), "linear", False
 
-
-# --------------------------------------------------------------------------- tokenizer
 
 
 def _train_tokenizer(vocab_size: int) -> Any:
@@ -318,8 +289,6 @@ def _write_tokenizer(out: Path, tok: Any) -> None:
                 {**specials, "additional_special_tokens": list(ROLE_TOKENS)})
 
 
-# --------------------------------------------------------------------------- writing
-
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
@@ -338,7 +307,7 @@ def write_tiny_model(arch: str, out_dir: str | Path, *, seed: int = 0,
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHS)}")
     unknown = set(overrides) - set(DEFAULT_SHAPE)
     if unknown:
-        raise TypeError(f"unknown shape overrides {sorted(unknown)}; allowed: {sorted(DEFAULT_SHAPE)}")
+        raise TypeError(f"unknown overrides {sorted(unknown)}; allowed: {sorted(DEFAULT_SHAPE)}")
     shape = {**DEFAULT_SHAPE, **{k: int(v) for k, v in overrides.items() if v is not None}}
     if not 0 < shape["top_k"] <= shape["num_experts"]:
         raise ValueError(f"top_k must be in [1, num_experts], got {shape['top_k']}")
@@ -374,15 +343,15 @@ def write_tiny_model(arch: str, out_dir: str | Path, *, seed: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Write a tiny random MoE checkpoint that vLLM can "
-                                 "serve (vllm serve DIR --dtype float32).")
+    ap = argparse.ArgumentParser(prog="afd-tiny-model", description="Write a tiny random MoE "
+                                 "checkpoint that vLLM can serve (vllm serve DIR --dtype float32).")
     ap.add_argument("--arch", required=True, choices=sorted(ARCHS))
     ap.add_argument("--out", required=True, type=Path, help="output directory")
     ap.add_argument("--seed", type=int, default=0, help="seeds every tensor but routed experts")
     ap.add_argument("--experts-seed", type=int, default=None,
                     help="seeds the routed experts only (default: --seed)")
     for key, default in DEFAULT_SHAPE.items():
-        ap.add_argument("--" + key.replace("_", "-"), dest=key, type=int, default=None, help=f"default {default}")
+        ap.add_argument("--" + key.replace("_", "-"), dest=key, type=int, help=f"default {default}")
     args = ap.parse_args(argv)
     overrides = {k: getattr(args, k) for k in DEFAULT_SHAPE}
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,9 +21,12 @@ import torch.distributed as dist
 
 from afd_common.errors import AFDPeerError, AFDTimeoutError
 
-logger = logging.getLogger("afd")
+logger = logging.getLogger("vllm.afd")
 
 PROGRESS_EVERY_S = 10.0
+# Waiting for the next step is not bounded: a role may be idle for days. A dead peer still ends
+# the wait at once (its connection closes).
+IDLE_WAIT = timedelta(days=3650)
 
 
 def is_loopback(host: str) -> bool:
@@ -162,6 +166,7 @@ class PeerIO:
         self._describe = describe_rank  # global rank -> "FFN rank 1" etc.
         self._pending: dict[int, list[tuple[object, torch.Tensor]]] = {}
         self.is_gloo = _backend_name(group) == "gloo"
+        self.closing = False
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         try:
@@ -179,20 +184,22 @@ class PeerIO:
                                f"{_first_line(e)}") from None
         return PendingRecv(work, tensor, src, what)
 
-    def wait(self, pending: PendingRecv, timeout_s: float) -> torch.Tensor:
+    def wait(self, pending: PendingRecv, timeout_s: float | None) -> torch.Tensor:
+        """``timeout_s=None``: wait until the data or the connection's end (idle waits)."""
         try:
             if self.is_gloo:
-                pending.work.wait(timedelta(seconds=timeout_s))
+                pending.work.wait(IDLE_WAIT if timeout_s is None
+                                  else timedelta(seconds=timeout_s))
             else:  # pragma: no cover - NCCL/HCCL: stream-ordered; the group timeout bounds it
                 pending.work.wait()
         except RuntimeError as e:
             src = self._describe(pending.src)
             if _is_timeout(e):
-                raise AFDTimeoutError(f"no {pending.what} from {src} within {timeout_s:g} s "
+                raise AFDTimeoutError(f"no {pending.what} from {src} within {timeout_s} s "
                                       "(is the peer alive and in the same step?)") from None
             raise AFDPeerError(f"lost {src} while waiting for {pending.what}: "
                                f"{_first_line(e)}") from None
-        self._settle(pending.src, timeout_s)
+        self._settle(pending.src, 60.0 if timeout_s is None else timeout_s)
         return pending.tensor
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout_s: float,
@@ -218,6 +225,19 @@ class PeerIO:
 
     def abandon(self) -> None:
         self._pending.clear()
+
+    def watch(self, peers: list[int], tag: int, on_lost) -> None:
+        """Learn, without polling, when the connection to a peer drops: one daemon thread per
+        peer waits on a receive the peer never sends. ``on_lost(peer, reason)`` runs in that
+        thread unless ``closing`` was set first (a normal shutdown)."""
+        for peer in peers:
+            def run(peer=peer, buf=torch.empty(1, dtype=torch.uint8)):
+                try:
+                    self.group.recv([buf], peer, tag).wait(IDLE_WAIT)
+                except RuntimeError as e:
+                    if not self.closing:
+                        on_lost(peer, f"lost {self._describe(peer)}: {_first_line(e)}")
+            threading.Thread(target=run, daemon=True, name=f"afd-watch-{peer}").start()
 
 
 def _backend_name(group) -> str:

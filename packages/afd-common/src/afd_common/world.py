@@ -31,7 +31,7 @@ from afd_common.config import AFDConfig
 from afd_common.errors import AFDHandshakeError, AFDProtocolError
 from afd_common.transport import Rendezvous, new_group
 
-logger = logging.getLogger("afd")
+logger = logging.getLogger("vllm.afd")
 
 
 def sign(token: str, session: bytes, hello: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ import torch
 from afd_common.contract import FFNConnector, StepPlan
 from afd_common.metadata import StepKind, WorkItem
 
-logger = logging.getLogger("afd")
+logger = logging.getLogger("vllm.afd")
 
 ComputeFn = Callable[[WorkItem, StepPlan], torch.Tensor]
 

@@ -1,0 +1,33 @@
+"""The attention role's worker on CPU (chosen by the afd plugin when ``worker_cls`` is auto)."""
+
+from __future__ import annotations
+
+import vllm.v1.worker.cpu_worker as cpu_worker_module
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from afd_common.patching import PatchSet
+
+from afd_attention.runner import AFDAttentionRunnerMixin
+
+
+class AFDAttentionCPUModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
+    pass
+
+
+class AFDAttentionCPUWorker(CPUWorker):
+    def init_device(self):
+        # CPUWorker builds its runner by module-global name; swap it for the call only.
+        swap = PatchSet("attention_cpu_runner").setattr(cpu_worker_module, "CPUModelRunner",
+                                                        AFDAttentionCPUModelRunner)
+        swap.install()
+        try:
+            super().init_device()
+        finally:
+            swap.uninstall()
+
+    def shutdown(self):
+        runner = getattr(self, "model_runner", None)
+        if isinstance(runner, AFDAttentionRunnerMixin):
+            runner.afd_close()
+        super().shutdown()

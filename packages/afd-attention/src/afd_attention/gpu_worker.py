@@ -1,0 +1,27 @@
+"""The attention role's worker on CUDA (chosen by the afd plugin when ``worker_cls`` is auto).
+
+Written to the same contract as the CPU worker; not exercised on the CPU-only machines this
+project is tested on.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.gpu_worker import Worker
+
+from afd_attention.runner import AFDAttentionRunnerMixin
+
+
+class AFDAttentionGPUModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
+    pass
+
+
+class AFDAttentionGPUWorker(Worker):
+    def _make_model_runner(self):
+        return AFDAttentionGPUModelRunner(self.vllm_config, self.device)
+
+    def shutdown(self):
+        runner = getattr(self, "model_runner", None)
+        if isinstance(runner, AFDAttentionRunnerMixin):
+            runner.afd_close()
+        super().shutdown()

@@ -1,0 +1,58 @@
+"""The attention role's model runner: vLLM's, plus remote experts and the AFD session.
+
+A mixin over vLLM's V1 runner (``CPUModelRunner`` on CPU, ``GPUModelRunner`` on CUDA), so the
+two platforms share every line of AFD logic.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from afd_common.config import afd_config_from_vllm
+from afd_common.lifecycle import shut_down_server
+from afd_common.registry import resolve_connector
+from afd_common.vllm_model import layer_index, model_shape
+
+from afd_attention.patches import remote_moe as remote_moe_patch
+from afd_attention.session import AttentionSession
+
+logger = logging.getLogger("vllm.afd")
+
+
+class AFDAttentionRunnerMixin:
+    afd_session: AttentionSession | None = None
+
+    def load_model(self, *args, **kwargs):
+        patch = remote_moe_patch.build()
+        patch.install()
+        try:
+            super().load_model(*args, **kwargs)
+        finally:
+            patch.uninstall()
+        self._afd_connect()
+
+    def _afd_connect(self) -> None:
+        from afd_attention.remote_moe import AFDAttentionMoERunner
+
+        config = afd_config_from_vllm(self.vllm_config)
+        runners = {layer_index(m.layer_name): m for m in self.model.modules()
+                   if isinstance(m, AFDAttentionMoERunner)}
+        shape = model_shape(self.vllm_config, runners)
+        rank = self.vllm_config.parallel_config.data_parallel_rank
+        connector = resolve_connector(config.connector, "attention")(config, rank, shape,
+                                                                     self.device)
+        logger.info("AFD attention rank %d: %s connecting to the FFN role at %s:%d (%d MoE "
+                    "layers, gate on %s)", rank, config.connector, config.host, config.port,
+                    len(shape.moe_layers),
+                    "attention" if config.compute_gate_on_attention else "FFN")
+        connector.init()
+        connector.watch_peers(lambda reason: shut_down_server(
+            f"attention rank {rank}: the FFN role is gone ({reason})"))
+        self.afd_session = AttentionSession(config, connector)
+        self.afd_session.activate()
+        logger.info("AFD attention rank %d: connected", rank)
+
+    def afd_close(self) -> None:
+        if self.afd_session is not None:
+            self.afd_session.close()
+            self.afd_session = None

@@ -1,0 +1,75 @@
+"""Hook into ``VllmConfig.__post_init__``: the one place every vLLM config is completed.
+
+The API server (or ``LLM``) builds the config and the engine and worker processes receive it
+already resolved, so choosing the worker here reaches every process. It also makes a bad ``afd``
+section fail in the API server, before any engine process or socket exists.
+"""
+
+from __future__ import annotations
+
+import os
+
+from afd_common.config import AFDConfig, afd_config_from_vllm
+from afd_common.errors import AFDConfigError
+from afd_common.patching import PatchSet
+
+WORKERS = {
+    ("cpu", "attention"): "afd_attention.cpu_worker.AFDAttentionCPUWorker",
+    ("cpu", "ffn"): "afd_ffn.cpu_worker.AFDFFNCPUWorker",
+    ("cuda", "attention"): "afd_attention.gpu_worker.AFDAttentionGPUWorker",
+    ("cuda", "ffn"): "afd_ffn.gpu_worker.AFDFFNGPUWorker",
+}
+
+
+def _device_kind() -> str:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return current_platform.device_type or "unknown"
+
+
+def before(vllm_config, afd: AFDConfig) -> None:
+    parallel = vllm_config.parallel_config
+    role_ranks = afd.num_attention_ranks if afd.is_attention else afd.num_ffn_ranks
+    field = "num_attention_ranks" if afd.is_attention else "num_ffn_ranks"
+    if parallel.data_parallel_size != role_ranks:
+        raise AFDConfigError(field, role_ranks, f"the {afd.role} role runs one AFD rank per data-"
+                             f"parallel rank, and --data-parallel-size is "
+                             f"{parallel.data_parallel_size}; make them equal")
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise AFDConfigError(field, role_ranks, "AFD roles run with tensor and pipeline parallel "
+                             "size 1 per rank in this version; scale with data parallelism")
+    if parallel.worker_cls == "auto":
+        kind = _device_kind()
+        worker = WORKERS.get((kind, afd.role))
+        if worker is None:
+            raise AFDConfigError("role", afd.role, f"no AFD worker for the {kind!r} platform in "
+                                 "this version (CPU and CUDA are supported)")
+        parallel.worker_cls = worker
+    # Our runners extend vLLM's V1 model runner.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def after(vllm_config, afd: AFDConfig) -> None:
+    if afd.is_ffn:
+        # No attention layers -> no cacheable KV groups; the hybrid coordinator would assert.
+        vllm_config.cache_config.enable_prefix_caching = False
+
+
+def build() -> PatchSet:
+    from vllm.config.vllm import VllmConfig
+
+    original = VllmConfig.__post_init__
+
+    def __post_init__(self, *args, **kwargs):
+        afd = afd_config_from_vllm(self)
+        if afd is not None:
+            before(self, afd)
+        original(self, *args, **kwargs)
+        if afd is not None:
+            after(self, afd)
+
+    return PatchSet("vllm_config").setattr(VllmConfig, "__post_init__", __post_init__)

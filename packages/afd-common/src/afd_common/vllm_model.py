@@ -1,0 +1,43 @@
+"""Facts about a vLLM model both roles derive the same way: which layers are MoE, the shape.
+
+Reads attributes of objects vLLM hands us; imports nothing from vLLM, so it is safe in any role.
+"""
+
+from __future__ import annotations
+
+import re
+
+from afd_common.metadata import ModelShape
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(layer_name: str) -> int:
+    """``model.layers.3.mlp.experts`` -> 3."""
+    m = _LAYER.search(layer_name)
+    if m is None:
+        raise ValueError(f"cannot find a layer index in module name {layer_name!r}")
+    return int(m.group(1))
+
+
+def model_shape(vllm_config, moe_runners: dict[int, object]) -> ModelShape:
+    """``moe_runners``: layer index -> the MoE runner module of that layer."""
+    if not moe_runners:
+        arch = ",".join(getattr(vllm_config.model_config.hf_config, "architectures", []) or [])
+        raise ValueError(f"model {arch or vllm_config.model_config.model} has no MoE layer AFD "
+                         "can disaggregate (supported: DeepSeek-V2/V3, Qwen3-MoE and other "
+                         "models built on vLLM's FusedMoE)")
+    hf = vllm_config.model_config.hf_text_config
+    any_runner = next(iter(moe_runners.values()))
+    moe = any_runner.moe_config
+    return ModelShape(
+        hidden_size=hf.hidden_size,
+        dtype=vllm_config.model_config.dtype,
+        num_layers=hf.num_hidden_layers,
+        moe_layers=tuple(sorted(moe_runners)),
+        num_experts=moe.num_experts,
+        top_k=moe.experts_per_token,
+        architecture=(getattr(vllm_config.model_config.hf_config, "architectures", None)
+                      or ["?"])[0],
+        max_num_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+    )

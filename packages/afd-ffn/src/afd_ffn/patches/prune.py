@@ -1,0 +1,49 @@
+"""While the FFN role builds its model: everything but the MoE blocks becomes an empty
+placeholder, so the FFN role never allocates or reads attention, dense-MLP, shared-expert,
+embedding or LM-head weights, and vLLM sees no attention layer (hence no KV cache).
+
+Placeholders are vLLM's ``PPMissingLayer``, which every checkpoint loader already skips. Installed
+only around model construction.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from afd_common.patching import PatchSet
+
+# Module-level classes the supported models look up by name when they build a decoder layer.
+PRUNED_CLASSES = {
+    "vllm.model_executor.models.deepseek_v2": ("DeepseekAttention", "DeepseekV2Attention",
+                                               "DeepseekV2MLAAttention", "DeepseekV2MLP"),
+    "vllm.model_executor.models.qwen3_moe": ("Qwen3MoeAttention", "Qwen3MoeMLP"),
+}
+
+
+def build() -> PatchSet:
+    import importlib
+
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
+                                                                     VocabParallelEmbedding)
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    class PrunedLayer(PPMissingLayer):
+        """Runs on the attention role."""
+
+    class PrunedEmbedding(PPMissingLayer, VocabParallelEmbedding):
+        def __init__(self, *args, **kwargs):
+            nn.Module.__init__(self)
+
+    class PrunedLMHead(PPMissingLayer, ParallelLMHead):
+        def __init__(self, *args, **kwargs):
+            nn.Module.__init__(self)
+
+    patch = PatchSet("ffn_prune")
+    for module_name, classes in PRUNED_CLASSES.items():
+        module = importlib.import_module(module_name)
+        for name in classes:
+            patch.setattr(module, name, PrunedLayer)
+    patch.setitem(op_registry_oot, VocabParallelEmbedding.__name__, PrunedEmbedding)
+    patch.setitem(op_registry_oot, ParallelLMHead.__name__, PrunedLMHead)
+    return patch
