@@ -6,12 +6,13 @@ two platforms share every line of AFD logic.
 
 from __future__ import annotations
 
+import json
 import logging
 
 from afd_common.config import afd_config_from_vllm
 from afd_common.lifecycle import shut_down_server
 from afd_common.registry import resolve_connector
-from afd_common.vllm_model import layer_index, model_shape
+from afd_common.vllm_model import layer_index, model_shape, weight_summary
 
 from afd_attention.patches import remote_moe as remote_moe_patch
 from afd_attention.session import AttentionSession
@@ -29,6 +30,8 @@ class AFDAttentionRunnerMixin:
             super().load_model(*args, **kwargs)
         finally:
             patch.uninstall()
+        logger.info("AFD weights: %s", json.dumps({"role": "attention",
+                                                   "by_category": weight_summary(self.model)}))
         self._afd_connect()
 
     def _afd_connect(self) -> None:

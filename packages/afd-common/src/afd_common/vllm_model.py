@@ -41,3 +41,34 @@ def model_shape(vllm_config, moe_runners: dict[int, object]) -> ModelShape:
                       or ["?"])[0],
         max_num_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
     )
+
+
+def weight_category(name: str) -> str:
+    if "self_attn" in name:
+        return "attention"
+    if "embed_tokens" in name:
+        return "embedding"
+    if "lm_head" in name:
+        return "lm_head"
+    if "shared_expert" in name:
+        return "shared_experts"
+    if "routed_experts" in name or ".experts." in name or name.endswith(("w13_weight",
+                                                                        "w2_weight")):
+        return "routed_experts"
+    if ".gate." in name or name.endswith(("gate.weight", "e_score_correction_bias")):
+        return "gate"
+    if ".mlp." in name:
+        return "dense_mlp"
+    if "norm" in name:
+        return "norm"
+    return "other"
+
+
+def weight_summary(model) -> dict[str, dict[str, int]]:
+    """Parameters held, by category: what a role loaded, in tensors and elements."""
+    out: dict[str, dict[str, int]] = {}
+    for name, param in model.named_parameters():
+        entry = out.setdefault(weight_category(name), {"tensors": 0, "numel": 0})
+        entry["tensors"] += 1
+        entry["numel"] += param.numel()
+    return dict(sorted(out.items()))

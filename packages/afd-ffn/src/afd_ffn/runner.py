@@ -6,12 +6,17 @@ every line of AFD logic.
 
 from __future__ import annotations
 
+import json
+import logging
+
 from afd_common.config import afd_config_from_vllm
-from afd_common.vllm_model import layer_index, model_shape
+from afd_common.vllm_model import layer_index, model_shape, weight_summary
 
 from afd_ffn.experts import LayerExperts
 from afd_ffn.patches import prune
 from afd_ffn.service import FFNService
+
+logger = logging.getLogger("vllm.afd")
 
 
 class AFDFFNRunnerMixin:
@@ -26,6 +31,8 @@ class AFDFFNRunnerMixin:
             super().load_model(*args, **kwargs)
         finally:
             patch.uninstall()
+        logger.info("AFD weights: %s", json.dumps({"role": "ffn",
+                                                   "by_category": weight_summary(self.model)}))
         runners = {layer_index(m.layer_name): m for m in self.model.modules()
                    if isinstance(m, MoERunner)}
         config = afd_config_from_vllm(self.vllm_config)

@@ -1,0 +1,91 @@
+"""End-to-end fixtures: tiny checkpoints and real `vllm serve` processes, shared per session.
+
+Every AFD server pair runs each role on its own core (attention on core 0, FFN on core 1); the
+colocated reference runs alone. Servers are stopped at the end of the test that started them, and
+the stop itself is checked (no process of either role may survive).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from afd_common.launch import PROMPTS, Server, afd_args, complete, wait_gone
+from afd_common.selftest import free_port
+from afd_common.tiny_model import write_tiny_model
+
+pytestmark = pytest.mark.e2e
+NUM_PROMPTS = 16
+ARCHS = ("deepseek_v2", "qwen3_moe")
+
+
+def say(msg: str) -> None:
+    print(f"[e2e] {msg}", file=sys.__stderr__, flush=True)
+
+
+@pytest.fixture(scope="session")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm-logs")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    out = {arch: write_tiny_model(arch, root / arch, seed=0) for arch in ARCHS}
+    # Same weights except the routed experts: the negative control's FFN checkpoint.
+    out["deepseek_v2-other-experts"] = write_tiny_model("deepseek_v2", root / "dsv2-other",
+                                                        seed=0, experts_seed=12345)
+    return {k: Path(v) for k, v in out.items()}
+
+
+@pytest.fixture(scope="session")
+def colocated(models, logs) -> dict[str, list[dict]]:
+    """The reference: a plain colocated `vllm serve` per checkpoint, same flags, same prompts."""
+    answers = {}
+    for arch in ARCHS:
+        server = Server(f"colocated-{arch}", str(models[arch]), free_port(),
+                        logs / f"colocated-{arch}.log", cores="0").start()
+        try:
+            server.wait_ready(progress=say)
+            answers[arch] = complete(server, PROMPTS[:NUM_PROMPTS])
+        finally:
+            assert server.stop(), f"colocated server left processes:\n{server.log_tail()}"
+    return answers
+
+
+class Pair:
+    def __init__(self, ffn: Server, attention: Server):
+        self.ffn, self.attention = ffn, attention
+
+    @property
+    def servers(self):
+        return (self.ffn, self.attention)
+
+
+@contextlib.contextmanager
+def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = None,
+             num_attention_ranks: int = 1, **afd):
+    """Start an FFN and an attention `vllm serve`, wait until both are ready, stop both."""
+    port = free_port()
+    ranks = {"num_attention_ranks": num_attention_ranks}
+    ffn = Server(f"{name}-ffn", str(ffn_model or attn_model), free_port(), logs / f"{name}-ffn.log",
+                 args=afd_args("ffn", port, **ranks, **afd), cores="1")
+    attn_args = afd_args("attention", port, **ranks, **afd)
+    if num_attention_ranks > 1:
+        attn_args += ["--data-parallel-size", str(num_attention_ranks)]
+    attention = Server(f"{name}-attention", str(attn_model), free_port(),
+                       logs / f"{name}-attention.log", args=attn_args, cores="0")
+    pair = Pair(ffn.start(), attention.start())
+    try:
+        attention.wait_ready(progress=say, others=(ffn,))
+        ffn.wait_ready(progress=say, others=(attention,))
+        yield pair
+    finally:
+        for server in pair.servers:
+            server.signal()
+        wait_gone(pair.servers, 30)
+        for server in pair.servers:
+            server.stop(timeout_s=1)
