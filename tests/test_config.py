@@ -111,3 +111,42 @@ def test_error_for_secret_never_echoes_it():
 def test_unknown_connector_lists_installed():
     with pytest.raises(AFDConfigError, match="installed: .*P2pAFDConnector"):
         parse_afd_config(with_(connector="Nope"))
+
+
+# Fuzz: every input either parses or raises the project's own error type, never anything else.
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from afd_common.config import ALIASES, AFDConfig, KEYS  # noqa: E402
+
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                         st.floats(allow_nan=True), st.text(max_size=12))
+json_values = st.recursive(json_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=6)
+key_names = st.one_of(st.sampled_from(KEYS + tuple(ALIASES)), st.text(max_size=10))
+extra_keys = st.sampled_from(["backend", "timeout_s", "first_step_timeout_s", "step_timeout_s",
+                              "num_micro_batches", "auth_token", "ops_backend", "x"])
+plausible = st.fixed_dictionaries(
+    {"role": st.sampled_from(["attention", "ffn", "FFN", "", 1])},
+    optional={"port": st.one_of(st.integers(-5, 70000), json_scalars),
+              "host": st.one_of(st.sampled_from(["127.0.0.1", "", " ", "h o"]), json_scalars),
+              "num_attention_ranks": st.one_of(st.integers(-2, 5), json_scalars),
+              "num_ffn_ranks": st.one_of(st.integers(-2, 5), json_scalars),
+              "compute_gate_on_attention": json_scalars,
+              "async_dp": json_scalars, "async": json_scalars,
+              "connector": st.sampled_from(["P2pAFDConnector", "P2pNcclAFDConnector", "Nope"]),
+              "connector_extra_config": st.one_of(
+                  json_values, st.dictionaries(extra_keys, json_values, max_size=3))})
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.one_of(plausible, st.dictionaries(key_names, json_values, max_size=6), json_values))
+def test_config_parser_fuzz(raw):
+    try:
+        cfg = parse_afd_config(raw)
+    except AFDConfigError as e:
+        assert isinstance(e.field, str) and str(e).startswith("afd config: field ")
+        return
+    assert isinstance(cfg, AFDConfig) and cfg.role in ("attention", "ffn")
+    assert 1 <= cfg.port <= 65535 and cfg.host.strip()

@@ -22,8 +22,23 @@ NUM_PROMPTS = 16
 ARCHS = ("deepseek_v2", "qwen3_moe")
 
 
+_reporter = None
+
+
 def say(msg: str) -> None:
-    print(f"[e2e] {msg}", file=sys.__stderr__, flush=True)
+    """Progress and measurements, shown live (pytest's capture would hide them)."""
+    if _reporter is not None:
+        _reporter.write_line(f"[e2e] {msg}")
+    else:
+        print(f"[e2e] {msg}", file=sys.stderr, flush=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _live_reporter(request):
+    global _reporter
+    _reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    yield
+    _reporter = None
 
 
 @pytest.fixture(scope="session")
@@ -76,8 +91,10 @@ def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = N
     attn_args = afd_args("attention", port, **ranks, **afd)
     if num_attention_ranks > 1:
         attn_args += ["--data-parallel-size", str(num_attention_ranks)]
+    # One core per DP rank for the attention role (it shares core 1 with the FFN role then).
     attention = Server(f"{name}-attention", str(attn_model), free_port(),
-                       logs / f"{name}-attention.log", args=attn_args, cores="0")
+                       logs / f"{name}-attention.log", args=attn_args,
+                       cores="|".join(str(i % 2) for i in range(num_attention_ranks)))
     pair = Pair(ffn.start(), attention.start())
     try:
         attention.wait_ready(progress=say, others=(ffn,))

@@ -11,11 +11,13 @@ import torch
 
 from afd_common.contract import AttentionConnector, ControlPlane
 from afd_common.metadata import LayerCall, StepKind, StepMetadata
-from afd_common.p2p_wire import WATCH_TAG, SyncLinks, data_tag, open_p2p_world, pack
+from afd_common.p2p_wire import PROTOCOL, WATCH_TAG, SyncLinks, data_tag, open_p2p_world, pack
 from afd_common.transport import PendingRecv
 
 
 class P2pAttentionConnector(AttentionConnector):
+    protocol = PROTOCOL
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._links = self.topology.links_of_attention(self.local_rank)

@@ -10,6 +10,7 @@ import json
 import logging
 
 from afd_common.config import afd_config_from_vllm
+from afd_common.errors import AFDConfigError
 from afd_common.lifecycle import shut_down_server
 from afd_common.registry import resolve_connector
 from afd_common.vllm_model import layer_index, model_shape, weight_summary
@@ -38,6 +39,11 @@ class AFDAttentionRunnerMixin:
         from afd_attention.remote_moe import AFDAttentionMoERunner
 
         config = afd_config_from_vllm(self.vllm_config)
+        if config.extra.num_micro_batches != 1:
+            raise AFDConfigError("connector_extra_config.num_micro_batches",
+                                 config.extra.num_micro_batches,
+                                 "micro-batching inside vLLM steps is not available in this "
+                                 "version; use 1")
         runners = {layer_index(m.layer_name): m for m in self.model.modules()
                    if isinstance(m, AFDAttentionMoERunner)}
         shape = model_shape(self.vllm_config, runners)

@@ -105,6 +105,8 @@ class AFDConnector(abc.ABC):
     supports_async_dp: ClassVar[bool] = False
     #: True when the connector needs top-k routing from the attention side.
     requires_gate_on_attention: ClassVar[bool] = False
+    #: The wire protocol both halves speak; aliases of one connector share it.
+    protocol: ClassVar[str]
     #: Keys of ``connector_extra_config`` this connector reads beyond the common ones.
     extra_config_keys: ClassVar[frozenset[str]] = frozenset()
 
@@ -134,7 +136,7 @@ class AFDConnector(abc.ABC):
         """What both roles must agree on before any tensor moves. Compared field by field."""
         s, c = self.shape, self.config
         return {
-            "connector": c.connector,
+            "connector": self.protocol,
             "num_attention_ranks": c.num_attention_ranks,
             "num_ffn_ranks": c.num_ffn_ranks,
             "compute_gate_on_attention": c.compute_gate_on_attention,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -103,7 +104,7 @@ class ModelShape:
             raise ValueError(f"layer index {layer_idx} is not an MoE layer of this model "
                              f"(MoE layers: {_ranges(self.moe_layers)}, {self.num_layers} layers)")
 
-    @property
+    @cached_property
     def _moe_set(self) -> frozenset[int]:
         return frozenset(self.moe_layers)
 

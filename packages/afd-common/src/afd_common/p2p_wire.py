@@ -24,6 +24,9 @@ from afd_common.transport import PeerIO, default_backend
 from afd_common.world import AFDWorld
 
 
+PROTOCOL = "p2p/1"
+
+
 def data_tag(layer_idx: int, stage: int) -> int:
     return layer_idx * MAX_STAGES + stage
 

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from afd_common import __version__
 from afd_common.codec import WIRE_VERSION, decode_json, encode_json
 from afd_common.config import AFDConfig
-from afd_common.errors import AFDHandshakeError, AFDProtocolError
-from afd_common.transport import Rendezvous, new_group
+from afd_common.errors import (AFDError, AFDHandshakeError, AFDPeerError, AFDProtocolError,
+                               AFDTimeoutError)
+from afd_common.transport import PROGRESS_EVERY_S, Rendezvous, new_group
 
 logger = logging.getLogger("vllm.afd")
 
@@ -87,6 +88,16 @@ class AFDWorld:
                                     "check each process's rank and num_*_ranks")
 
     def _handshake(self, fingerprint: dict[str, Any]) -> None:
+        try:
+            self._exchange_hellos(fingerprint)
+        except (RuntimeError, dist.DistStoreError) as e:
+            if isinstance(e, AFDError):
+                raise
+            raise AFDPeerError(f"{self.what}: lost the rendezvous at {self.config.host}:"
+                               f"{self.config.port} during the handshake ({e}); the FFN role "
+                               "may have refused this role: see its log") from None
+
+    def _exchange_hellos(self, fingerprint: dict[str, Any]) -> None:
         store = self.rendezvous.store
         start = time.monotonic()
         self.rendezvous.wait_keys(["afd/nonce"], self.timeout_s, f"{self.what}: rendezvous")
@@ -97,16 +108,32 @@ class AFDWorld:
         signed = dict(hello, mac=sign(token, session, hello) if token else None)
         store.set(f"afd/hello/{self.rank}", encode_json(signed))
         others = [r for r in range(self.world_size) if r != self.rank]
-        keys = [f"afd/hello/{r}" for r in others]
-        self.rendezvous.wait_keys(keys, self.timeout_s, f"{self.what}: handshake")
-        for r in others:
-            try:
-                peer = decode_json(bytes(store.get(f"afd/hello/{r}")))
-            except AFDProtocolError as e:
-                raise AFDHandshakeError(f"{self.what}: {self.describe(r)} sent a malformed "
-                                        f"hello: {e}") from None
-            self._authenticate(r, token, session, peer)
-            self._compare(r, hello, peer)
+        # Check each peer as soon as it says hello: one mismatched peer is refused at once, not
+        # after waiting for ranks that a mismatched world size means will never come.
+        unchecked = list(others)
+        next_log = PROGRESS_EVERY_S
+        while unchecked:
+            present = [r for r in unchecked if store.check([f"afd/hello/{r}"])]
+            for r in present:
+                try:
+                    peer = decode_json(bytes(store.get(f"afd/hello/{r}")))
+                except AFDProtocolError as e:
+                    raise AFDHandshakeError(f"{self.what}: {self.describe(r)} sent a malformed "
+                                            f"hello: {e}") from None
+                self._authenticate(r, token, session, peer)
+                self._compare(r, hello, peer)
+                unchecked.remove(r)
+            if unchecked and not present:
+                waited = time.monotonic() - start
+                if waited > self.timeout_s:
+                    raise AFDTimeoutError(f"{self.what}: handshake: no hello from "
+                                          f"{', '.join(map(self.describe, unchecked))} after "
+                                          f"{self.timeout_s:.0f} s")
+                if waited >= next_log:
+                    logger.info("%s: waiting for %s (%.0f s)", self.what,
+                                ", ".join(map(self.describe, unchecked)), waited)
+                    next_log += PROGRESS_EVERY_S
+                time.sleep(0.05)
         logger.info("%s: handshake with %d peers ok (%.1f s)", self.what, len(others),
                     time.monotonic() - start)
 

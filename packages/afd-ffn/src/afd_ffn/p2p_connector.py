@@ -11,10 +11,12 @@ import torch
 
 from afd_common.contract import ControlPlane, FFNConnector, StepPlan
 from afd_common.metadata import WorkItem, WorkItemMeta
-from afd_common.p2p_wire import SyncLinks, data_tag, empty_message, open_p2p_world, unpack
+from afd_common.p2p_wire import PROTOCOL, SyncLinks, data_tag, empty_message, open_p2p_world, unpack
 
 
 class P2pFFNConnector(FFNConnector):
+    protocol = PROTOCOL
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._links = self.topology.links_of_ffn(self.local_rank)

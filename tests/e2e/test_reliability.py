@@ -1,0 +1,201 @@
+"""Refuse mismatches, bound every wait, lose no request: with real `vllm serve` roles."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from afd_common.launch import Server, afd_args, complete, wait_gone
+from afd_common.selftest import free_port
+from afd_common.tiny_model import write_tiny_model
+
+from .conftest import afd_pair, say
+
+pytestmark = pytest.mark.e2e
+
+
+def wait_for_line(server: Server, needle: str, timeout_s: float = 240) -> float:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if needle in server.log_path.read_text(errors="replace"):
+            return time.monotonic()
+        if server.exited():
+            raise AssertionError(f"{server.name} exited before {needle!r}:\n{server.log_tail()}")
+        time.sleep(0.2)
+    raise AssertionError(f"{server.name}: no {needle!r} within {timeout_s} s:\n"
+                         f"{server.log_tail()}")
+
+
+def kill_all(server: Server) -> None:
+    """SIGKILL every process of the server, as a crashed host would."""
+    for pid in server.pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def stopped_or_unhealthy(server: Server) -> bool:
+    return server.exited() or server.health() not in (200,)
+
+
+@pytest.fixture(scope="module")
+def other_models(models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("mismatch")
+    return {"num_layers": write_tiny_model("deepseek_v2", root / "layers", num_layers=3),
+            "hidden_size": write_tiny_model("deepseek_v2", root / "hidden", hidden_size=96)}
+
+
+MISMATCHES = [  # (what differs on the FFN side, the field the error must name)
+    ("num_layers", "num_layers"),
+    ("hidden_size", "hidden_size"),
+    ("connector_extra", "num_micro_batches"),
+    ("num_ffn_ranks", "num_ffn_ranks"),
+]
+
+
+@pytest.mark.parametrize("change,field", MISMATCHES, ids=[m[0] for m in MISMATCHES])
+def test_mismatched_roles_both_stop_naming_the_field(change, field, models, other_models, logs):
+    port = free_port()
+    attn_model = ffn_model = models["deepseek_v2"]
+    ffn_afd: dict = {}
+    if change in other_models:
+        ffn_model = other_models[change]
+    elif change == "connector_extra":
+        ffn_afd = {"connector_extra_config": {"num_micro_batches": 2}}
+    elif change == "num_ffn_ranks":
+        ffn_afd = {"num_ffn_ranks": 2}
+    ffn_args = afd_args("ffn", port, **ffn_afd)
+    if change == "num_ffn_ranks":
+        ffn_args += ["--data-parallel-size", "2"]
+    ffn = Server(f"mismatch-{change}-ffn", str(ffn_model), free_port(),
+                 logs / f"mismatch-{change}-ffn.log", args=ffn_args,
+                 cores="1|0" if change == "num_ffn_ranks" else "1").start()
+    attention = Server(f"mismatch-{change}-attention", str(attn_model), free_port(),
+                       logs / f"mismatch-{change}-attention.log",
+                       args=afd_args("attention", port), cores="0").start()
+    try:
+        later = max(wait_for_line(ffn, "waiting for the attention role"),
+                    wait_for_line(attention, "connecting to the FFN role"))
+        assert wait_gone([ffn], 30) or stopped_or_unhealthy(ffn)
+        end = later + 30
+        while time.monotonic() < end and not (attention.exited() and ffn.exited()):
+            time.sleep(0.5)
+        say(f"mismatch {change}: both stopped {time.monotonic() - later:.1f} s after the "
+            "later role reached the handshake")
+        assert stopped_or_unhealthy(attention) and stopped_or_unhealthy(ffn)
+        for server in (ffn, attention):
+            log = server.log_path.read_text(errors="replace")
+            assert f"'{field}' differs" in log, f"{server.name}:\n{server.log_tail(40)}"
+    finally:
+        ffn.stop(5), attention.stop(5)
+
+
+def test_auth_token_wrong_refused_right_works_never_logged(models, logs):
+    port = free_port()
+    secret, wrong = "s3cret-afd-token-0042", "other-afd-token-0043"
+    ffn = Server("auth-ffn", str(models["qwen3_moe"]), free_port(), logs / "auth-ffn.log",
+                 args=afd_args("ffn", port), cores="1", env={"AFD_AUTH_TOKEN": secret}).start()
+    attention = Server("auth-attention", str(models["qwen3_moe"]), free_port(),
+                       logs / "auth-attention.log", args=afd_args("attention", port), cores="0",
+                       env={"AFD_AUTH_TOKEN": wrong}).start()
+    try:
+        wait_gone([attention], 240)
+        assert "authentication failed" in attention.log_path.read_text(errors="replace")
+    finally:
+        ffn.stop(5), attention.stop(5)
+    for server in (ffn, attention):
+        text = server.log_path.read_text(errors="replace")
+        assert secret not in text and wrong not in text
+    with afd_pair("auth-ok", logs, models["qwen3_moe"],
+                  connector_extra_config={"auth_token": secret}) as pair:
+        assert complete(pair.attention, ["Hello there"], max_tokens=4)[0]["tokens"]
+        for server in pair.servers:
+            assert secret not in server.log_path.read_text(errors="replace")
+
+
+def _long_request(server: Server, max_tokens: int = 400):
+    body = json.dumps({"model": server.model, "prompt": "Once upon a time",
+                       "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read()[:200]
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()[:200]
+    except OSError as e:
+        return "connection", repr(e)
+
+
+TIMEOUT = {"connector_extra_config": {"timeout_s": 15}}
+
+
+def test_sigkill_ffn_mid_generation_fails_the_request_fast(models, logs):
+    with afd_pair("kill-ffn", logs, models["deepseek_v2"], **TIMEOUT) as pair:
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(_long_request, pair.attention)
+            time.sleep(1.5)
+            assert not fut.done(), "generation finished before the kill; make it longer"
+            killed = time.monotonic()
+            kill_all(pair.ffn)
+            status, detail = fut.result(timeout=15 + 10 + 5)
+            took = time.monotonic() - killed
+        say(f"SIGKILL FFN: in-flight request ended with {status} after {took:.1f} s")
+        assert status != 200 and took <= 25, (status, detail)
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not stopped_or_unhealthy(pair.attention):
+            time.sleep(0.5)
+        assert stopped_or_unhealthy(pair.attention)
+        assert wait_gone([pair.ffn], 30)
+
+
+def test_sigkill_attention_ends_ffn_non_zero(models, logs):
+    with afd_pair("kill-attention", logs, models["qwen3_moe"], **TIMEOUT) as pair:
+        complete(pair.attention, ["warm up"], max_tokens=2)
+        killed = time.monotonic()
+        kill_all(pair.attention)
+        assert wait_gone([pair.ffn], 15 + 10), pair.ffn.log_tail()
+        say(f"SIGKILL attention: FFN gone after {time.monotonic() - killed:.1f} s, exit "
+            f"{pair.ffn.proc.returncode}")
+        assert pair.ffn.proc.returncode != 0
+
+
+def test_64_concurrent_mixed_requests_exact(models, logs, colocated_mixed):
+    with afd_pair("load-64", logs, models["deepseek_v2"]) as pair:
+        answers = run_mixed(pair.attention)
+    assert len(answers) == 64
+    mismatched = [i for i, (a, b) in enumerate(zip(answers, colocated_mixed)) if a != b]
+    assert not mismatched, f"requests {mismatched} differ from colocated"
+
+
+def mixed_load():
+    words = "alpha beta gamma delta river stone cloud light north seven".split()
+    return [(" ".join(words[(i * 3 + j) % 10] for j in range(1 + i % 9)), 4 + (i * 7) % 29)
+            for i in range(64)]
+
+
+def run_mixed(server: Server) -> list[list[str]]:
+    def one(item):
+        prompt, n = item
+        return complete(server, [prompt], max_tokens=n)[0]["tokens"]
+    with cf.ThreadPoolExecutor(64) as pool:
+        return list(pool.map(one, mixed_load()))
+
+
+@pytest.fixture(scope="module")
+def colocated_mixed(models, logs):
+    server = Server("colocated-load", str(models["deepseek_v2"]), free_port(),
+                    logs / "colocated-load.log", cores="0").start()
+    try:
+        server.wait_ready(progress=say)
+        return run_mixed(server)
+    finally:
+        server.stop()
