@@ -18,13 +18,9 @@ class AFDAttentionCPUModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
 class AFDAttentionCPUWorker(CPUWorker):
     def init_device(self):
         # CPUWorker builds its runner by module-global name; swap it for the call only.
-        swap = PatchSet("attention_cpu_runner").setattr(cpu_worker_module, "CPUModelRunner",
-                                                        AFDAttentionCPUModelRunner)
-        swap.install()
-        try:
+        with PatchSet("attention_cpu_runner").setattr(cpu_worker_module, "CPUModelRunner",
+                                               AFDAttentionCPUModelRunner).applied():
             super().init_device()
-        finally:
-            swap.uninstall()
 
     def shutdown(self):
         runner = getattr(self, "model_runner", None)

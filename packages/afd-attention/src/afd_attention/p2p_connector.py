@@ -64,9 +64,8 @@ class P2pAttentionConnector(AttentionConnector):
             dst = self.topology.ffn_global_rank(link.ffn_rank)
             # Post the receive of the result before sending: the reply can land while this side
             # computes the next stage.
-            pending.append(net.data.irecv(out[sl], dst, tag,
-                                          f"the FFN result of layer {call.layer_idx} "
-                                          f"stage {call.stage}"))
+            pending.append(net.data.irecv(out[sl], dst, tag, (
+                "the FFN result of layer {} stage {}", call.layer_idx, call.stage)))
             net.data.isend(msg, dst, tag)
         self._inflight[call] = (out, pending)
 

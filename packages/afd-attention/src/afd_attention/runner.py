@@ -25,12 +25,8 @@ class AFDAttentionRunnerMixin:
     afd_session: AttentionSession | None = None
 
     def load_model(self, *args, **kwargs):
-        patch = remote_moe_patch.build()
-        patch.install()
-        try:
+        with remote_moe_patch.build().applied():
             super().load_model(*args, **kwargs)
-        finally:
-            patch.uninstall()
         logger.info("AFD weights: %s", json.dumps({"role": "attention",
                                                    "by_category": weight_summary(self.model)}))
         self._afd_connect()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,15 @@ class PatchSet:
             undo.append(_restore_item(mapping, key, old))
         self._saved = undo
         logger.debug("afd: installed patch set %s", self.name)
+
+    @contextmanager
+    def applied(self):
+        """Installed for the duration of a ``with`` block only."""
+        self.install()
+        try:
+            yield self
+        finally:
+            self.uninstall()
 
     def uninstall(self) -> None:
         if self._saved is None:

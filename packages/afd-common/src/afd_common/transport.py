@@ -149,7 +149,22 @@ class PendingRecv:
     work: object
     tensor: torch.Tensor
     src: int
-    what: str
+    what: str | tuple  # a format string and its arguments, formatted only for an error
+
+    def describe(self) -> str:
+        return self.what if isinstance(self.what, str) else self.what[0].format(*self.what[1:])
+
+
+_timedeltas: dict[float, timedelta] = {}
+
+
+def _seconds(timeout_s: float | None) -> timedelta:
+    if timeout_s is None:
+        return IDLE_WAIT
+    td = _timedeltas.get(timeout_s)
+    if td is None:
+        td = _timedeltas[timeout_s] = timedelta(seconds=timeout_s)
+    return td
 
 
 class PeerIO:
@@ -175,11 +190,12 @@ class PeerIO:
             raise AFDPeerError(f"send to {self._describe(dst)} failed: {_first_line(e)}") from None
         self._pending.setdefault(dst, []).append((work, tensor))
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> PendingRecv:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str | tuple) -> PendingRecv:
         """Post a receive now (so the transport can land data early); wait for it later."""
         try:
             work = self.group.recv([tensor], src, tag)
         except RuntimeError as e:
+            what = PendingRecv(None, tensor, src, what).describe()
             raise AFDPeerError(f"lost {self._describe(src)} before receiving {what}: "
                                f"{_first_line(e)}") from None
         return PendingRecv(work, tensor, src, what)
@@ -188,16 +204,15 @@ class PeerIO:
         """``timeout_s=None``: wait until the data or the connection's end (idle waits)."""
         try:
             if self.is_gloo:
-                pending.work.wait(IDLE_WAIT if timeout_s is None
-                                  else timedelta(seconds=timeout_s))
+                pending.work.wait(_seconds(timeout_s))
             else:  # pragma: no cover - NCCL/HCCL: stream-ordered; the group timeout bounds it
                 pending.work.wait()
         except RuntimeError as e:
             src = self._describe(pending.src)
             if _is_timeout(e):
-                raise AFDTimeoutError(f"no {pending.what} from {src} within {timeout_s} s "
+                raise AFDTimeoutError(f"no {pending.describe()} from {src} within {timeout_s} s "
                                       "(is the peer alive and in the same step?)") from None
-            raise AFDPeerError(f"lost {src} while waiting for {pending.what}: "
+            raise AFDPeerError(f"lost {src} while waiting for {pending.describe()}: "
                                f"{_first_line(e)}") from None
         self._settle(pending.src, 60.0 if timeout_s is None else timeout_s)
         return pending.tensor
@@ -210,7 +225,7 @@ class PeerIO:
         for work, _ in self._pending.pop(dst, ()):
             try:
                 if self.is_gloo:
-                    work.wait(timedelta(seconds=timeout_s))
+                    work.wait(_seconds(timeout_s))
                 else:  # pragma: no cover
                     work.wait()
             except RuntimeError as e:

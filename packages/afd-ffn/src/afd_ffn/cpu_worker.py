@@ -19,10 +19,6 @@ class AFDFFNCPUModelRunner(AFDFFNRunnerMixin, CPUModelRunner):
 class AFDFFNCPUWorker(AFDFFNWorkerMixin, CPUWorker):
     def init_device(self):
         # CPUWorker builds its runner by module-global name; swap it for the call only.
-        swap = PatchSet("ffn_cpu_runner").setattr(cpu_worker_module, "CPUModelRunner",
-                                                  AFDFFNCPUModelRunner)
-        swap.install()
-        try:
+        with PatchSet("ffn_cpu_runner").setattr(cpu_worker_module, "CPUModelRunner",
+                                               AFDFFNCPUModelRunner).applied():
             super().init_device()
-        finally:
-            swap.uninstall()

@@ -33,6 +33,10 @@ class P2pFFNConnector(FFNConnector):
 
     def on_step(self, plan: StepPlan) -> None:
         self._plan = plan
+        # (attention rank, rows) per stage, in batch order: the same for every layer of the step.
+        self._sources = [tuple((link.attention_rank, self.topology.chunk_rows(
+            link, plan.per_source[link.attention_rank].stage_tokens[stage]))
+            for link in self._links) for stage in range(plan.num_stages)]
 
     def recv_ffn_work_item(self, stage_idx=0, max_num_tokens=None, *, layer_idx=None) -> WorkItem:
         net, plan = self._require_net(), self._plan
@@ -46,10 +50,7 @@ class P2pFFNConnector(FFNConnector):
             raise ValueError(f"stage {stage_idx} out of range: step {plan.step} has "
                              f"{plan.num_stages} stages")
         shape, gate = self.shape, self.config.compute_gate_on_attention
-        sources = tuple((link.attention_rank,
-                         self.topology.chunk_rows(
-                             link, plan.per_source[link.attention_rank].stage_tokens[stage_idx]))
-                        for link in self._links)
+        sources = self._sources[stage_idx]
         if max_num_tokens is not None and sum(n for _, n in sources) > max_num_tokens:
             raise ValueError(f"step {plan.step} stage {stage_idx} brings "
                              f"{sum(n for _, n in sources)} rows, more than max_num_tokens "
@@ -62,7 +63,7 @@ class P2pFFNConnector(FFNConnector):
                                     self.device)
                 pending.append((n, net.data.irecv(
                     buf, self.topology.attention_global_rank(a), tag,
-                    f"hidden states of layer {layer_idx} stage {stage_idx}")))
+                    ("hidden states of layer {} stage {}", layer_idx, stage_idx))))
         parts = [unpack(net.data.wait(p, self.timeouts.current()), n, shape.hidden_size,
                         shape.dtype, shape.top_k, gate) for n, p in pending]
         meta = WorkItemMeta(layer_idx=layer_idx, stage=stage_idx, step=plan.step,

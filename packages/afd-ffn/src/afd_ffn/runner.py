@@ -25,12 +25,8 @@ class AFDFFNRunnerMixin:
     def load_model(self, *args, **kwargs):
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-        patch = prune.build()
-        patch.install()
-        try:
+        with prune.build().applied():
             super().load_model(*args, **kwargs)
-        finally:
-            patch.uninstall()
         logger.info("AFD weights: %s", json.dumps({"role": "ffn",
                                                    "by_category": weight_summary(self.model)}))
         runners = {layer_index(m.layer_name): m for m in self.model.modules()
