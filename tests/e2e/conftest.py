@@ -7,6 +7,7 @@ the stop itself is checked (no process of either role may survive).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import sys
 from pathlib import Path
@@ -22,23 +23,26 @@ NUM_PROMPTS = 16
 ARCHS = ("deepseek_v2", "qwen3_moe")
 
 
-_reporter = None
+_plugins = None
 
 
 def say(msg: str) -> None:
-    """Progress and measurements, shown live (pytest's capture would hide them)."""
-    if _reporter is not None:
-        _reporter.write_line(f"[e2e] {msg}")
-    else:
+    """Progress and measurements, shown live: pytest's capture is lifted for the one line."""
+    if _plugins is None:
         print(f"[e2e] {msg}", file=sys.stderr, flush=True)
+        return
+    capture, reporter = _plugins
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(f"[e2e] {msg}")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _live_reporter(request):
-    global _reporter
-    _reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+def _live_output(request):
+    global _plugins
+    manager = request.config.pluginmanager
+    _plugins = (manager.get_plugin("capturemanager"), manager.get_plugin("terminalreporter"))
     yield
-    _reporter = None
+    _plugins = None
 
 
 @pytest.fixture(scope="session")
@@ -56,9 +60,27 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {k: Path(v) for k, v in out.items()}
 
 
+def mixed_load() -> list[tuple[str, int]]:
+    """64 requests of mixed prompt and output lengths."""
+    words = "alpha beta gamma delta river stone cloud light north seven".split()
+    return [(" ".join(words[(i * 3 + j) % 10] for j in range(1 + i % 9)), 4 + (i * 7) % 29)
+            for i in range(64)]
+
+
+def run_mixed(server: Server) -> list[list[str]]:
+    """Send the whole mixed load at once, one request each; token ids in request order."""
+    def one(item):
+        prompt, n = item
+        return complete(server, [prompt], max_tokens=n)[0]["tokens"]
+    with cf.ThreadPoolExecutor(64) as pool:
+        return list(pool.map(one, mixed_load()))
+
+
 @pytest.fixture(scope="session")
-def colocated(models, logs) -> dict[str, list[dict]]:
-    """The reference: a plain colocated `vllm serve` per checkpoint, same flags, same prompts."""
+def colocated(models, logs) -> dict[str, list]:
+    """The reference: a plain colocated `vllm serve` per checkpoint, same flags, same prompts;
+    ``"<arch>-mixed"`` holds the answers to the 64-request mixed load, ``"<arch>-rss"`` the
+    server's resident memory after answering."""
     answers = {}
     for arch in ARCHS:
         server = Server(f"colocated-{arch}", str(models[arch]), free_port(),
@@ -66,6 +88,9 @@ def colocated(models, logs) -> dict[str, list[dict]]:
         try:
             server.wait_ready(progress=say)
             answers[arch] = complete(server, PROMPTS[:NUM_PROMPTS])
+            answers[f"{arch}-rss"] = server.rss_bytes()
+            if arch == "deepseek_v2":
+                answers[f"{arch}-mixed"] = run_mixed(server)
         finally:
             assert server.stop(), f"colocated server left processes:\n{server.log_tail()}"
     return answers
@@ -83,7 +108,8 @@ class Pair:
 @contextlib.contextmanager
 def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = None,
              num_attention_ranks: int = 1, **afd):
-    """Start an FFN and an attention `vllm serve`, wait until both are ready, stop both."""
+    """Start an FFN and an attention `vllm serve`, wait until both are ready; afterwards stop
+    whatever the test left running."""
     port = free_port()
     ranks = {"num_attention_ranks": num_attention_ranks}
     ffn = Server(f"{name}-ffn", str(ffn_model or attn_model), free_port(), logs / f"{name}-ffn.log",

@@ -5,18 +5,21 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import signal
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from afd_common.launch import Server, afd_args, complete, wait_gone
+from afd_common.lifecycle import FAILED_EXIT_CODE
 from afd_common.selftest import free_port
 from afd_common.tiny_model import write_tiny_model
 
-from .conftest import afd_pair, say
+from .conftest import afd_pair, run_mixed, say
 
 pytestmark = pytest.mark.e2e
 
@@ -56,9 +59,11 @@ def other_models(models, tmp_path_factory):
 MISMATCHES = [  # (what differs on the FFN side, the field the error must name)
     ("num_layers", "num_layers"),
     ("hidden_size", "hidden_size"),
+    ("connector", "connector"),
     ("connector_extra", "num_micro_batches"),
     ("num_ffn_ranks", "num_ffn_ranks"),
 ]
+THIRD_PARTY = Path(__file__).parent / "third_party"
 
 
 @pytest.mark.parametrize("change,field", MISMATCHES, ids=[m[0] for m in MISMATCHES])
@@ -66,8 +71,14 @@ def test_mismatched_roles_both_stop_naming_the_field(change, field, models, othe
     port = free_port()
     attn_model = ffn_model = models["deepseek_v2"]
     ffn_afd: dict = {}
+    ffn_env: dict = {}
     if change in other_models:
         ffn_model = other_models[change]
+    elif change == "connector":
+        # Another connector, installed the way a third party ships one (an entry point).
+        ffn_afd = {"connector": "OtherConnector"}
+        ffn_env = {"PYTHONPATH": os.pathsep.join(
+            p for p in (str(THIRD_PARTY), os.environ.get("PYTHONPATH")) if p)}
     elif change == "connector_extra":
         ffn_afd = {"connector_extra_config": {"num_micro_batches": 2}}
     elif change == "num_ffn_ranks":
@@ -76,7 +87,7 @@ def test_mismatched_roles_both_stop_naming_the_field(change, field, models, othe
     if change == "num_ffn_ranks":
         ffn_args += ["--data-parallel-size", "2"]
     ffn = Server(f"mismatch-{change}-ffn", str(ffn_model), free_port(),
-                 logs / f"mismatch-{change}-ffn.log", args=ffn_args,
+                 logs / f"mismatch-{change}-ffn.log", args=ffn_args, env=ffn_env,
                  cores="1|0" if change == "num_ffn_ranks" else "1").start()
     attention = Server(f"mismatch-{change}-attention", str(attn_model), free_port(),
                        logs / f"mismatch-{change}-attention.log",
@@ -98,27 +109,66 @@ def test_mismatched_roles_both_stop_naming_the_field(change, field, models, othe
         ffn.stop(5), attention.stop(5)
 
 
-def test_auth_token_wrong_refused_right_works_never_logged(models, logs):
+SECRET, WRONG = "s3cret-afd-token-0042", "other-afd-token-0043"
+TIMEOUT = {"timeout_s": 15}
+
+
+def test_auth_token_wrong_is_refused_and_never_logged(models, logs):
     port = free_port()
-    secret, wrong = "s3cret-afd-token-0042", "other-afd-token-0043"
     ffn = Server("auth-ffn", str(models["qwen3_moe"]), free_port(), logs / "auth-ffn.log",
-                 args=afd_args("ffn", port), cores="1", env={"AFD_AUTH_TOKEN": secret}).start()
+                 args=afd_args("ffn", port), cores="1", env={"AFD_AUTH_TOKEN": SECRET}).start()
     attention = Server("auth-attention", str(models["qwen3_moe"]), free_port(),
                        logs / "auth-attention.log", args=afd_args("attention", port), cores="0",
-                       env={"AFD_AUTH_TOKEN": wrong}).start()
+                       env={"AFD_AUTH_TOKEN": WRONG}).start()
     try:
-        wait_gone([attention], 240)
+        assert wait_gone([attention], 240), attention.log_tail()
         assert "authentication failed" in attention.log_path.read_text(errors="replace")
     finally:
         ffn.stop(5), attention.stop(5)
     for server in (ffn, attention):
         text = server.log_path.read_text(errors="replace")
-        assert secret not in text and wrong not in text
+        assert SECRET not in text and WRONG not in text
+
+
+# Each pair below serves one test, then a second test kills one of its roles.
+@pytest.fixture(scope="module")
+def auth_pair(models, logs):
+    """The token in the config this time, where vLLM itself prints its arguments."""
     with afd_pair("auth-ok", logs, models["qwen3_moe"],
-                  connector_extra_config={"auth_token": secret}) as pair:
-        assert complete(pair.attention, ["Hello there"], max_tokens=4)[0]["tokens"]
-        for server in pair.servers:
-            assert secret not in server.log_path.read_text(errors="replace")
+                  connector_extra_config={"auth_token": SECRET, **TIMEOUT}) as pair:
+        yield pair
+
+
+def test_auth_token_right_works_and_is_never_logged(auth_pair):
+    assert complete(auth_pair.attention, ["Hello there"], max_tokens=4)[0]["tokens"]
+    for server in auth_pair.servers:
+        log = server.log_path.read_text(errors="replace")
+        assert "auth_token" in log and SECRET not in log
+
+
+def test_sigkill_attention_ends_ffn_non_zero(auth_pair):
+    killed = time.monotonic()
+    kill_all(auth_pair.attention)
+    assert wait_gone([auth_pair.ffn], 15 + 10), auth_pair.ffn.log_tail()
+    say(f"SIGKILL attention: FFN gone after {time.monotonic() - killed:.1f} s, exit "
+        f"{auth_pair.ffn.proc.returncode}")
+    assert auth_pair.ffn.proc.returncode == FAILED_EXIT_CODE, auth_pair.ffn.log_tail()
+    log = auth_pair.ffn.log_path.read_text(errors="replace")
+    assert re.search(r"AFD: FFN rank 0 failed: .*attention rank 0", log), log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def load_pair(models, logs):
+    with afd_pair("load", logs, models["deepseek_v2"], connector_extra_config=TIMEOUT) as pair:
+        yield pair
+
+
+def test_64_concurrent_mixed_requests_exact(load_pair, colocated):
+    answers = run_mixed(load_pair.attention)
+    assert len(answers) == 64
+    mismatched = [i for i, (a, b) in enumerate(zip(answers, colocated["deepseek_v2-mixed"]))
+                  if a != b]
+    assert not mismatched, f"requests {mismatched} differ from colocated"
 
 
 def _long_request(server: Server, max_tokens: int = 400):
@@ -135,67 +185,24 @@ def _long_request(server: Server, max_tokens: int = 400):
         return "connection", repr(e)
 
 
-TIMEOUT = {"connector_extra_config": {"timeout_s": 15}}
-
-
-def test_sigkill_ffn_mid_generation_fails_the_request_fast(models, logs):
-    with afd_pair("kill-ffn", logs, models["deepseek_v2"], **TIMEOUT) as pair:
-        with cf.ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(_long_request, pair.attention)
-            time.sleep(1.5)
-            assert not fut.done(), "generation finished before the kill; make it longer"
-            killed = time.monotonic()
-            kill_all(pair.ffn)
-            status, detail = fut.result(timeout=15 + 10 + 5)
-            took = time.monotonic() - killed
-        say(f"SIGKILL FFN: in-flight request ended with {status} after {took:.1f} s")
-        assert status != 200 and took <= 25, (status, detail)
-        end = time.monotonic() + 30
-        while time.monotonic() < end and not stopped_or_unhealthy(pair.attention):
-            time.sleep(0.5)
-        assert stopped_or_unhealthy(pair.attention)
-        assert wait_gone([pair.ffn], 30)
-
-
-def test_sigkill_attention_ends_ffn_non_zero(models, logs):
-    with afd_pair("kill-attention", logs, models["qwen3_moe"], **TIMEOUT) as pair:
-        complete(pair.attention, ["warm up"], max_tokens=2)
+def test_sigkill_ffn_mid_generation_fails_the_request_fast(load_pair):
+    pair = load_pair
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(_long_request, pair.attention)
+        time.sleep(1.5)
+        assert not fut.done(), "generation finished before the kill; make it longer"
         killed = time.monotonic()
-        kill_all(pair.attention)
-        assert wait_gone([pair.ffn], 15 + 10), pair.ffn.log_tail()
-        say(f"SIGKILL attention: FFN gone after {time.monotonic() - killed:.1f} s, exit "
-            f"{pair.ffn.proc.returncode}")
-        assert pair.ffn.proc.returncode != 0
-
-
-def test_64_concurrent_mixed_requests_exact(models, logs, colocated_mixed):
-    with afd_pair("load-64", logs, models["deepseek_v2"]) as pair:
-        answers = run_mixed(pair.attention)
-    assert len(answers) == 64
-    mismatched = [i for i, (a, b) in enumerate(zip(answers, colocated_mixed)) if a != b]
-    assert not mismatched, f"requests {mismatched} differ from colocated"
-
-
-def mixed_load():
-    words = "alpha beta gamma delta river stone cloud light north seven".split()
-    return [(" ".join(words[(i * 3 + j) % 10] for j in range(1 + i % 9)), 4 + (i * 7) % 29)
-            for i in range(64)]
-
-
-def run_mixed(server: Server) -> list[list[str]]:
-    def one(item):
-        prompt, n = item
-        return complete(server, [prompt], max_tokens=n)[0]["tokens"]
-    with cf.ThreadPoolExecutor(64) as pool:
-        return list(pool.map(one, mixed_load()))
-
-
-@pytest.fixture(scope="module")
-def colocated_mixed(models, logs):
-    server = Server("colocated-load", str(models["deepseek_v2"]), free_port(),
-                    logs / "colocated-load.log", cores="0").start()
-    try:
-        server.wait_ready(progress=say)
-        return run_mixed(server)
-    finally:
-        server.stop()
+        kill_all(pair.ffn)
+        status, detail = fut.result(timeout=15 + 10)
+        took = time.monotonic() - killed
+    say(f"SIGKILL FFN: in-flight request ended with {status} after {took:.1f} s")
+    assert status != 200 and took <= 15 + 10, (status, detail)
+    end = time.monotonic() + 30
+    while time.monotonic() < end and not stopped_or_unhealthy(pair.attention):
+        time.sleep(0.5)
+    say(f"SIGKILL FFN: attention /health {pair.attention.health()} (0: server gone) "
+        f"{time.monotonic() - killed:.1f} s after the kill")
+    assert stopped_or_unhealthy(pair.attention)
+    assert wait_gone([pair.ffn], 30)
+    assert wait_gone([pair.attention], 30), "the attention role should stop by itself"
+    assert pair.attention.proc.returncode == FAILED_EXIT_CODE

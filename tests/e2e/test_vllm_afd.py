@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import re
 import signal
 import time
 
 import pytest
 
 from afd_common.launch import PROMPTS, compare, complete, wait_gone
+from afd_common.lifecycle import FAILED_EXIT_CODE
 
 from .conftest import NUM_PROMPTS, afd_pair, say
 
@@ -22,25 +22,33 @@ def weights(server) -> dict:
     return json.loads(line.split("AFD weights:", 1)[1])["by_category"]
 
 
-CASES = [("deepseek_v2", True), ("deepseek_v2", False), ("qwen3_moe", True),
-         ("qwen3_moe", False)]
+# (checkpoint, gate on the attention side, attention ranks): one case is the multi-rank topology
+# 2 attention ranks : 1 FFN rank, where the FFN rank serves both.
+CASES = [("deepseek_v2", True, 1), ("deepseek_v2", False, 2), ("qwen3_moe", True, 1),
+         ("qwen3_moe", False, 1)]
 
 
-@pytest.mark.parametrize("arch,gate_on_attention", CASES,
-                         ids=[f"{a}-gate_on_{'attention' if g else 'ffn'}" for a, g in CASES])
-def test_afd_matches_colocated(arch, gate_on_attention, models, colocated, logs):
-    with afd_pair(f"{arch}-{gate_on_attention}", logs, models[arch],
+@pytest.mark.parametrize("arch,gate_on_attention,num_attention_ranks", CASES,
+                         ids=[f"{a}-gate_on_{'attention' if g else 'ffn'}-{n}A1F"
+                              for a, g, n in CASES])
+def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(
+        arch, gate_on_attention, num_attention_ranks, models, colocated, logs):
+    with afd_pair(f"{arch}-{gate_on_attention}-{num_attention_ranks}A", logs, models[arch],
+                  num_attention_ranks=num_attention_ranks,
                   compute_gate_on_attention=gate_on_attention) as pair:
         answers = complete(pair.attention, PROMPTS[:NUM_PROMPTS])
         problems = compare(answers, colocated[arch])
         assert not problems, "\n".join(problems)
         assert len(answers) == NUM_PROMPTS and all(len(a["tokens"]) == 32 for a in answers)
+        if num_attention_ranks > 1:
+            log = pair.ffn.log_path.read_text()
+            assert f"handshake with {num_attention_ranks} peers ok" in log
 
         # Role-pruned weights, counted by name on each side.
         attn, ffn = weights(pair.attention), weights(pair.ffn)
         say(f"{arch}: attention holds {sorted(attn)}, FFN holds {sorted(ffn)}; RSS attention "
             f"{pair.attention.rss_bytes() / 2**20:.0f} MiB, FFN {pair.ffn.rss_bytes() / 2**20:.0f}"
-            " MiB")
+            f" MiB, colocated {colocated[f'{arch}-rss'] / 2**20:.0f} MiB")
         assert "routed_experts" not in attn and {"attention", "embedding", "lm_head"} <= set(attn)
         assert not {"attention", "embedding", "lm_head"} & set(ffn)
         assert ffn["routed_experts"]["tensors"] > 0
@@ -51,20 +59,24 @@ def test_afd_matches_colocated(arch, gate_on_attention, models, colocated, logs)
         with pytest.raises(Exception, match="400"):
             complete(pair.ffn, PROMPTS[:1])
 
+        # Ctrl-C / SIGTERM on the attention server ends both roles, cleanly.
+        sigterm_ends_both(pair, pair.attention)
+        assert pair.ffn.proc.returncode == 0, "an orderly stop is not a failure"
+
+
+def sigterm_ends_both(pair, server) -> None:
+    start = time.monotonic()
+    server.signal(signal.SIGTERM)
+    assert wait_gone(pair.servers, 30), "\n".join(
+        f"{s.name}: processes left {s.pids()}\n{s.log_tail()}" for s in pair.servers)
+    say(f"SIGTERM on {server.name}: both roles gone after {time.monotonic() - start:.1f} s, "
+        f"exit codes: attention {pair.attention.proc.returncode}, FFN {pair.ffn.proc.returncode}")
+
 
 def _get(url: str) -> str:
     import urllib.request
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
-
-
-def test_two_attention_ranks_one_ffn_rank(models, colocated, logs):
-    with afd_pair("dsv2-2A1F", logs, models["deepseek_v2"], num_attention_ranks=2) as pair:
-        answers = complete(pair.attention, PROMPTS[:NUM_PROMPTS])
-        problems = compare(answers, colocated["deepseek_v2"])
-        assert not problems, "\n".join(problems)
-        log = pair.ffn.log_path.read_text()
-        assert re.search(r"handshake with 2 peers ok", log), "FFN rank did not serve 2 ranks"
 
 
 def test_negative_control_and_sigterm_on_ffn_ends_both(models, colocated, logs):
@@ -75,20 +87,6 @@ def test_negative_control_and_sigterm_on_ffn_ends_both(models, colocated, logs):
         answers = complete(pair.attention, PROMPTS[:NUM_PROMPTS])
         differing = compare(answers, colocated["deepseek_v2"])
         assert len(differing) >= NUM_PROMPTS // 2, differing
-        start = time.monotonic()
-        pair.ffn.signal(signal.SIGTERM)
-        assert wait_gone(pair.servers, 30), (
-            f"processes left: FFN {pair.ffn.pids()}, attention {pair.attention.pids()}\n"
-            f"{pair.attention.log_tail()}")
-        say(f"SIGTERM on FFN: both roles gone after {time.monotonic() - start:.1f} s")
-
-
-def test_sigterm_on_attention_ends_both(models, logs):
-    with afd_pair("qwen3-sigterm", logs, models["qwen3_moe"]) as pair:
-        complete(pair.attention, PROMPTS[:2], max_tokens=4)
-        start = time.monotonic()
-        pair.attention.signal(signal.SIGTERM)
-        assert wait_gone(pair.servers, 30), (
-            f"processes left: FFN {pair.ffn.pids()}, attention {pair.attention.pids()}\n"
-            f"{pair.ffn.log_tail()}")
-        say(f"SIGTERM on attention: both roles gone after {time.monotonic() - start:.1f} s")
+        sigterm_ends_both(pair, pair.ffn)
+        assert pair.ffn.proc.returncode == 0
+        assert pair.attention.proc.returncode == FAILED_EXIT_CODE, "it lost its experts"

@@ -11,7 +11,7 @@ import logging
 
 from afd_common.config import afd_config_from_vllm
 from afd_common.errors import AFDConfigError
-from afd_common.lifecycle import shut_down_server
+from afd_common import lifecycle
 from afd_common.registry import resolve_connector
 from afd_common.vllm_model import layer_index, model_shape, weight_summary
 
@@ -51,10 +51,16 @@ class AFDAttentionRunnerMixin:
                     len(shape.moe_layers),
                     "attention" if config.compute_gate_on_attention else "FFN")
         connector.init()
-        connector.watch_peers(lambda reason: shut_down_server(
-            f"attention rank {rank}: the FFN role is gone ({reason})"))
-        self.afd_session = AttentionSession(config, connector)
-        self.afd_session.activate()
+        session = self.afd_session = AttentionSession(config, connector)
+
+        def on_lost(reason: str) -> None:
+            reason = f"attention rank {rank}: the FFN role is gone ({reason})"
+            lifecycle.mark_failed(reason)
+            if session.peer_lost(reason):
+                lifecycle.exit_worker()
+
+        connector.watch_peers(on_lost)
+        session.activate()
         logger.info("AFD attention rank %d: connected", rank)
 
     def afd_close(self) -> None:

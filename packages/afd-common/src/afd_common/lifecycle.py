@@ -1,39 +1,109 @@
-"""Ending a whole role when its AFD peer is gone.
+"""Ending a role when its AFD peer is gone, through vLLM's own shutdown paths.
 
-A role without its peer can do nothing useful: the FFN role has no one to serve, the attention
-role cannot finish a single step. The worker that notices asks the server's root process (the
-first vLLM process, recorded by the plugin) to shut down, which stops every process of the role;
-the error is logged first so the reason is the last thing an operator reads.
+A role without its peer can do nothing useful. Who notices is a worker; what must happen is
+server-wide, and differs by role:
+
+* FFN role: nothing left to serve. The worker asks the server's root process (the first vLLM
+  process, recorded by the plugin) to stop with SIGTERM, vLLM's normal shutdown. When the peer was
+  *lost* (not an orderly STOP), the root is first marked failed, so ``vllm serve`` exits non-zero.
+* Attention role: requests in flight must end with an error response, and vLLM gives exactly that
+  when its engine dies -- a SIGTERM would instead wait for those requests forever. So the worker
+  marks the root failed and exits; vLLM's worker monitor fails the engine, in-flight requests get
+  an error, ``/health`` answers 503, and vLLM's watchdog stops the server, non-zero.
+
+The reason is logged first, so it is what an operator reads last.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
+import sys
 import threading
 
 from afd_common.plugin import SERVER_PID_ENV
 
 logger = logging.getLogger("vllm.afd")
+
+#: Sent by a worker to its server root: "this server failed; exit non-zero when you stop".
+FAILED_SIGNAL = signal.SIGUSR1
+#: Exit status of a ``vllm serve`` role whose AFD peer was lost.
+FAILED_EXIT_CODE = 3
+
 _lock = threading.Lock()
-_requested = False
+_stopping = False
+_failed = False
+_root_failed = False
 
 
-def shut_down_server(reason: str) -> bool:
-    """Log ``reason`` and signal the server root. False when there is no separate root (e.g.
-    an in-process ``LLM``), in which case the caller raises instead."""
-    global _requested
-    with _lock:
-        if _requested:
-            return True
-        _requested = True
-    logger.error("AFD: %s -- shutting this role down", reason)
+def _root_pid() -> int:
     pid = int(os.environ.get(SERVER_PID_ENV, "0") or 0)
-    if pid <= 0 or pid == os.getpid():
+    return 0 if pid == os.getpid() else pid
+
+
+def _signal_root(sig: int) -> bool:
+    pid = _root_pid()
+    if pid <= 0:
         return False
     try:
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, sig)
     except ProcessLookupError:
         return False
     return True
+
+
+def mark_failed(reason: str) -> None:
+    """Log why this role cannot go on (once) and tell the server root to exit non-zero."""
+    global _failed
+    with _lock:
+        first, _failed = not _failed, True
+    if first:
+        logger.error("AFD: %s -- ending this role", reason)
+        _signal_root(FAILED_SIGNAL)
+
+
+def stop_server(reason: str | None = None) -> bool:
+    """Stop this server through vLLM's normal shutdown. False when there is no separate root
+    (an in-process ``LLM``), in which case the caller raises instead."""
+    global _stopping
+    with _lock:
+        first, _stopping = not _stopping, True
+    if not first:
+        return True
+    if reason:
+        logger.info("AFD: %s -- stopping this role", reason)
+    return _signal_root(signal.SIGTERM)
+
+
+def exit_worker() -> None:
+    """End this worker process now; vLLM's worker monitor then fails the engine, which fails
+    every in-flight request with an error response."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(FAILED_EXIT_CODE)
+
+
+def install_root_failure_handler() -> None:
+    """In the server root's main thread: remember a worker's failure report and exit with
+    ``FAILED_EXIT_CODE`` once vLLM's own shutdown has run (it would otherwise exit 0)."""
+    if os.getpid() != int(os.environ.get(SERVER_PID_ENV, "0") or 0):
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(FAILED_SIGNAL, _on_failed)
+
+
+def _on_failed(signum, frame) -> None:
+    global _root_failed
+    if not _root_failed:
+        _root_failed = True
+        atexit.register(_exit_failed)
+
+
+def _exit_failed() -> None:
+    # Registered last, so it runs first among atexit handlers, after vLLM stopped its engine.
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(FAILED_EXIT_CODE)

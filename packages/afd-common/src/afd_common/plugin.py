@@ -22,8 +22,10 @@ def register() -> None:
     os.environ.setdefault(SERVER_PID_ENV, str(os.getpid()))
     if _installed:
         return
+    from afd_common import redaction
     from afd_common.patches import api_server, vllm_config
 
+    redaction.install()
     for build in (vllm_config.build, api_server.build):
         patch = build()
         if patch is not None:
@@ -32,5 +34,8 @@ def register() -> None:
 
 
 def unregister() -> None:
+    from afd_common import redaction
+
     while _installed:
         _installed.pop().uninstall()
+    redaction.uninstall()

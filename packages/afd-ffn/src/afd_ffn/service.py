@@ -13,7 +13,8 @@ import threading
 import time
 
 from afd_common.config import AFDConfig
-from afd_common.lifecycle import shut_down_server
+from afd_common.errors import AFDError
+from afd_common import lifecycle
 from afd_common.metadata import ModelShape
 from afd_common.registry import resolve_connector
 
@@ -50,13 +51,15 @@ class FFNService:
             steps = self.runner.run(self._stop.is_set)
             self.state = "stopped"
             if not self._stop.is_set():
-                shut_down_server(f"FFN rank {self.rank}: the attention role stopped after "
-                                 f"{steps} steps")
+                lifecycle.stop_server(f"FFN rank {self.rank}: the attention role stopped "
+                                      f"after {steps} steps")
         except BaseException as e:  # noqa: BLE001 - reported through /health and the log
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"
             if not self._stop.is_set():
-                logger.exception("AFD FFN rank %d failed", self.rank)
-                shut_down_server(f"FFN rank {self.rank} failed: {self.error}")
+                if not isinstance(e, AFDError):
+                    logger.exception("AFD FFN rank %d: unexpected error", self.rank)
+                lifecycle.mark_failed(f"FFN rank {self.rank} failed: {self.error}")
+                lifecycle.stop_server()
         finally:
             self.connector.close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from afd_common import lifecycle
 from afd_common.config import AFDConfig, afd_config_from_vllm
 from afd_common.errors import AFDConfigError
 from afd_common.patching import PatchSet
@@ -51,6 +52,7 @@ def before(vllm_config, afd: AFDConfig) -> None:
         parallel.worker_cls = worker
     # Our runners extend vLLM's V1 model runner.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    lifecycle.install_root_failure_handler()
 
 
 def after(vllm_config, afd: AFDConfig) -> None:
