@@ -84,7 +84,7 @@ def attention_main(args, ports, q) -> None:
     results = {}
     step = 0
     with conn:
-        for t in TOKENS:
+        for t in args.tokens:
             x = torch.randn(t, H).to(torch.bfloat16)
             back = torch.empty_like(x)
             afd, base = [], []
@@ -113,6 +113,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
