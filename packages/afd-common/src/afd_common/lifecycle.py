@@ -1,15 +1,18 @@
 """Ending a role when its AFD peer is gone, through vLLM's own shutdown paths.
 
 A role without its peer can do nothing useful. Who notices is a worker; what must happen is
-server-wide, and differs by role:
+server-wide, and depends on how the peer ended:
 
-* FFN role: nothing left to serve. The worker asks the server's root process (the first vLLM
-  process, recorded by the plugin) to stop with SIGTERM, vLLM's normal shutdown. When the peer was
-  *lost* (not an orderly STOP), the root is first marked failed, so ``vllm serve`` exits non-zero.
-* Attention role: requests in flight must end with an error response, and vLLM gives exactly that
-  when its engine dies -- a SIGTERM would instead wait for those requests forever. So the worker
-  marks the root failed and exits; vLLM's worker monitor fails the engine, in-flight requests get
-  an error, ``/health`` answers 503, and vLLM's watchdog stops the server, non-zero.
+* After an orderly end (the FFN role got the attention role's STOP) the worker asks the server's
+  root process (the first vLLM process, recorded by the plugin) to stop with SIGTERM, vLLM's
+  normal shutdown.
+* After a failure (a lost or mismatched peer, a timeout) the worker marks the root failed and
+  ends itself. vLLM's worker monitor then fails the engine: in-flight requests get an error
+  response (a SIGTERM would instead wait for them forever), ``/health`` answers 503, and vLLM's
+  watchdog stops the server. An FFN role can fail while vLLM is still starting, where neither the
+  watchdog nor every SIGTERM takes effect, so its root also stops itself, repeating SIGTERM until
+  it goes. ``vllm serve`` then exits with ``FAILED_EXIT_CODE``. An attention worker in the middle
+  of a step is not ended from outside: the step's own receive raises, with the same outcome.
 
 The reason is logged first, so it is what an operator reads last.
 """
@@ -22,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from afd_common.plugin import SERVER_PID_ENV
 
@@ -31,6 +35,7 @@ logger = logging.getLogger("vllm.afd")
 FAILED_SIGNAL = signal.SIGUSR1
 #: Exit status of a ``vllm serve`` role whose AFD peer was lost.
 FAILED_EXIT_CODE = 3
+STOP_RETRY_S = 5.0
 
 _lock = threading.Lock()
 _stopping = False
@@ -85,21 +90,32 @@ def exit_worker() -> None:
     os._exit(FAILED_EXIT_CODE)
 
 
-def install_root_failure_handler() -> None:
-    """In the server root's main thread: remember a worker's failure report and exit with
-    ``FAILED_EXIT_CODE`` once vLLM's own shutdown has run (it would otherwise exit 0)."""
+def install_root_failure_handler(*, stop: bool) -> None:
+    """In the server root's main thread: on a worker's failure report, exit with
+    ``FAILED_EXIT_CODE`` once vLLM's own shutdown has run (it would otherwise exit 0) and, with
+    ``stop`` (the FFN role, which may fail while vLLM is still starting), also stop the server."""
     if os.getpid() != int(os.environ.get(SERVER_PID_ENV, "0") or 0):
         return
     if threading.current_thread() is not threading.main_thread():
         return
-    signal.signal(FAILED_SIGNAL, _on_failed)
+    signal.signal(FAILED_SIGNAL, lambda signum, frame: _on_failed(stop))
 
 
-def _on_failed(signum, frame) -> None:
+def _on_failed(stop: bool) -> None:
     global _root_failed
-    if not _root_failed:
-        _root_failed = True
-        atexit.register(_exit_failed)
+    if _root_failed:
+        return
+    _root_failed = True
+    atexit.register(_exit_failed)
+    if stop:
+        threading.Thread(target=_keep_stopping, daemon=True, name="afd-stop").start()
+
+
+def _keep_stopping() -> None:
+    # vLLM swallows a SIGTERM that lands at some points of its start-up; repeat until it takes.
+    while True:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(STOP_RETRY_S)
 
 
 def _exit_failed() -> None:

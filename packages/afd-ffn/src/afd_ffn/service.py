@@ -2,8 +2,10 @@
 
 vLLM's worker keeps answering its engine's calls (start-up, status) on its main thread while this
 thread connects to the attention role and runs the sync runner until the attention role stops.
-When the loop ends -- the attention role said STOP, or its peer is gone -- the whole FFN server
-goes down with it: an FFN role without its attention role has nothing to do.
+When the loop ends the whole FFN server goes down with it: an FFN role without its attention role
+has nothing to do. After a STOP the server is stopped normally; after a failure this worker ends,
+so vLLM fails the engine -- which also works while vLLM is still starting up, when a stop signal
+to the server would be swallowed (afd_common.lifecycle).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class FFNService:
                 if not isinstance(e, AFDError):
                     logger.exception("AFD FFN rank %d: unexpected error", self.rank)
                 lifecycle.mark_failed(f"FFN rank {self.rank} failed: {self.error}")
-                lifecycle.stop_server()
+                lifecycle.exit_worker()
         finally:
             self.connector.close()
 

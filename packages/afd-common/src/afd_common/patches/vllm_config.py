@@ -52,7 +52,7 @@ def before(vllm_config, afd: AFDConfig) -> None:
         parallel.worker_cls = worker
     # Our runners extend vLLM's V1 model runner.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    lifecycle.install_root_failure_handler()
+    lifecycle.install_root_failure_handler(stop=afd.is_ffn)
 
 
 def after(vllm_config, afd: AFDConfig) -> None:

@@ -1,0 +1,67 @@
+"""A worker that loses its peer ends the server non-zero; an orderly stop ends it with 0.
+
+Real processes, no vLLM: a "root" that installs the failure handler and a "worker" child that
+calls the lifecycle functions the role workers call.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from afd_common import lifecycle
+
+ROOT = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    os.environ["AFD_SERVER_PID"] = str(os.getpid())
+    from afd_common import lifecycle
+    lifecycle.install_root_failure_handler(stop=sys.argv[2] == "stop")
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda *a: stopped.append(True))  # vLLM's graceful stop
+    worker = subprocess.run([sys.executable, "-c", sys.argv[1]])
+    time.sleep(0.2)  # let the signals land
+    print(f"worker exit {worker.returncode}, stopped {bool(stopped)}", flush=True)
+""")
+
+
+def run_root(worker_code: str, stop: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", ROOT, textwrap.dedent(worker_code),
+                           "stop" if stop else "wait"],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["attention-root", "ffn-root"])
+def test_failed_worker_ends_itself_and_the_root_exits_non_zero(stop):
+    r = run_root(stop=stop, worker_code="""
+        from afd_common import lifecycle
+        lifecycle.mark_failed("FFN rank 0 failed: lost attention rank 0")
+        lifecycle.mark_failed("a second report is not logged again")
+        lifecycle.exit_worker()
+        print("not reached")
+    """)
+    assert r.returncode == lifecycle.FAILED_EXIT_CODE, r.stderr
+    # The FFN root stops itself; the attention root leaves that to vLLM's dead-engine watchdog.
+    assert f"worker exit {lifecycle.FAILED_EXIT_CODE}, stopped {stop}" in r.stdout
+    assert "not reached" not in r.stdout
+    assert r.stderr.count("AFD: ") == 1 and "lost attention rank 0" in r.stderr
+
+
+def test_orderly_stop_signals_the_root_and_exits_zero():
+    r = run_root("""
+        from afd_common import lifecycle
+        assert lifecycle.stop_server("the attention role stopped after 3 steps")
+        assert lifecycle.stop_server("only once")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "worker exit 0, stopped True" in r.stdout
+
+
+@pytest.mark.parametrize("pid", ["", "self"])
+def test_no_separate_root_means_the_caller_must_raise(monkeypatch, pid):
+    import os
+    monkeypatch.setenv("AFD_SERVER_PID", str(os.getpid()) if pid == "self" else "")
+    monkeypatch.setattr(lifecycle, "_stopping", False)
+    assert lifecycle.stop_server() is False
