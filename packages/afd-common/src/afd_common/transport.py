@@ -187,7 +187,7 @@ class PeerIO:
         try:
             work = self.group.send([tensor], dst, tag)
         except RuntimeError as e:
-            raise AFDPeerError(f"send to {self._describe(dst)} failed: {_first_line(e)}") from None
+            raise AFDPeerError(f"send to {self._describe(dst)} failed: {first_line(e)}") from None
         self._pending.setdefault(dst, []).append((work, tensor))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str | tuple) -> PendingRecv:
@@ -197,7 +197,7 @@ class PeerIO:
         except RuntimeError as e:
             what = PendingRecv(None, tensor, src, what).describe()
             raise AFDPeerError(f"lost {self._describe(src)} before receiving {what}: "
-                               f"{_first_line(e)}") from None
+                               f"{first_line(e)}") from None
         return PendingRecv(work, tensor, src, what)
 
     def wait(self, pending: PendingRecv, timeout_s: float | None) -> torch.Tensor:
@@ -209,11 +209,11 @@ class PeerIO:
                 pending.work.wait()
         except RuntimeError as e:
             src = self._describe(pending.src)
-            if _is_timeout(e):
+            if is_timeout(e):
                 raise AFDTimeoutError(f"no {pending.describe()} from {src} within {timeout_s} s "
                                       "(is the peer alive and in the same step?)") from None
             raise AFDPeerError(f"lost {src} while waiting for {pending.describe()}: "
-                               f"{_first_line(e)}") from None
+                               f"{first_line(e)}") from None
         self._settle(pending.src, 60.0 if timeout_s is None else timeout_s)
         return pending.tensor
 
@@ -229,9 +229,9 @@ class PeerIO:
                 else:  # pragma: no cover
                     work.wait()
             except RuntimeError as e:
-                kind = AFDTimeoutError if _is_timeout(e) else AFDPeerError
+                kind = AFDTimeoutError if is_timeout(e) else AFDPeerError
                 raise kind(f"{self._describe(dst)} did not take a message we sent: "
-                           f"{_first_line(e)}") from None
+                           f"{first_line(e)}") from None
 
     def flush(self, timeout_s: float) -> None:
         """Wait (bounded) until every peer took what we sent."""
@@ -251,7 +251,7 @@ class PeerIO:
                     self.group.recv([buf], peer, tag).wait(IDLE_WAIT)
                 except RuntimeError as e:
                     if not self.closing:
-                        on_lost(peer, f"lost {self._describe(peer)}: {_first_line(e)}")
+                        on_lost(peer, f"lost {self._describe(peer)}: {first_line(e)}")
             threading.Thread(target=run, daemon=True, name=f"afd-watch-{peer}").start()
 
 
@@ -262,11 +262,39 @@ def _backend_name(group) -> str:
         return "gloo"
 
 
-def _is_timeout(e: BaseException) -> bool:
+def is_timeout(e: BaseException) -> bool:
     msg = str(e).lower()
     return "timed out" in msg or "timeout" in msg
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     msg = str(e).strip()
     return msg.splitlines()[0] if msg else type(e).__name__
+
+
+def register_named_group(backend_pg, store: dist.Store, rank: int, size: int, name: str,
+                         device: torch.device) -> dist.ProcessGroup:
+    """Wrap a standalone backend (``new_group``) in a c10d ProcessGroup registered as ``name``.
+
+    Compiled ops find their group by this name (``c10d::resolve_process_group``): the ``group_ep``
+    / ``group_name`` string argument of the ``afd_ascend`` ops. Undo with ``unregister_group``.
+    """
+    c10d = torch._C._distributed_c10d
+    kind = {"gloo": c10d.ProcessGroup.BackendType.GLOO,
+            "nccl": c10d.ProcessGroup.BackendType.NCCL}.get(_backend_name(backend_pg),
+                                                          c10d.ProcessGroup.BackendType.CUSTOM)
+    pg = c10d.ProcessGroup(store, rank, size)
+    pg._set_default_backend(kind)
+    pg._register_backend(device, kind, backend_pg)
+    if device.type != "cpu" and kind == c10d.ProcessGroup.BackendType.GLOO:
+        pg._register_backend(torch.device("cpu"), kind, backend_pg)
+    pg._set_group_name(name)
+    c10d._register_process_group(name, pg)
+    return pg
+
+
+def unregister_group(name: str) -> None:
+    try:
+        torch._C._distributed_c10d._unregister_process_group(name)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

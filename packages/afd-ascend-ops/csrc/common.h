@@ -1,0 +1,45 @@
+// Shared by the portable kernels: resolving the c10d group named by an op's string argument,
+// non-blocking sends whose tensors stay alive until the transport is done with them, and
+// receives whose failures name the op, the peer and what was awaited.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <string>
+#include <vector>
+
+namespace afd {
+
+using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+// The process group registered under `name` (Python: torch._C._distributed_c10d.
+// _register_process_group). `op` names the caller in the error when none is.
+Group resolve_group(const std::string& name, const char* op);
+
+// Post a send and return at once. The tensor is kept until the send completes; completed sends
+// are released on later calls, and at most kMaxPendingSends stay in flight per group.
+void isend(const Group& pg, const std::string& name, at::Tensor t, int dst, int tag);
+
+// Post a receive; wait for it with `finish`. The group's timeout bounds the wait.
+c10::intrusive_ptr<c10d::Work> irecv(const Group& pg, at::Tensor& t, int src, int tag);
+void finish(const c10::intrusive_ptr<c10d::Work>& work, const char* op, int src,
+            const std::string& what);
+
+// Blocking receive of exactly `t`'s bytes.
+void recv(const Group& pg, at::Tensor& t, int src, int tag, const char* op,
+          const std::string& what);
+
+// Release the sends of `name` that completed (all of them with `wait`, bounded by the group
+// timeout). Called at the start of every op so finished handles do not pile up.
+void reap_sends(const std::string& name, bool wait);
+
+// Bytes of a tensor viewed as uint8 [nbytes] (contiguous).
+at::Tensor as_bytes(const at::Tensor& t);
+
+// Dtype checks shared by the kernels: bf16, f16, f32 rows.
+void check_float_rows(const at::Tensor& t, const char* op, const char* arg);
+
+constexpr int kMaxPendingSends = 4096;
+
+}  // namespace afd

@@ -1,0 +1,137 @@
+"""afd_ascend.a2e / e2a: exact data movement between spawned ranks over Gloo, Meta shapes, and
+the loaders' errors."""
+
+import pytest
+import torch
+
+import afd_ascend_ops
+from op_world import run_op_world
+
+H = 32
+TOPK = 3
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rows_of(a: int, step: int) -> int:
+    return (step * 3 + a * 5) % 7  # zeros included
+
+
+def inputs(a: int, step: int, dtype):
+    g = torch.Generator().manual_seed(1000 * step + a)
+    n = rows_of(a, step)
+    x = torch.randint(-16, 17, (n, H), generator=g).to(dtype)
+    ids = torch.randint(0, 64, (n, TOPK), generator=g, dtype=torch.int32)
+    scales = torch.randint(0, 8, (n, TOPK), generator=g).to(torch.float32) / 8
+    return x, ids, scales
+
+
+def ffn_function(x, f, ids=None, scales=None):
+    """What FFN rank f returns: proves the rows went to the right rank and came back in order."""
+    y = x * (f + 2)
+    if ids is not None:
+        y = y + (ids.sum(-1).to(torch.float32) * scales.sum(-1)).unsqueeze(-1).to(x.dtype)
+    return y
+
+
+def steps():
+    """(step, dtype, compute_gate, padding): every dtype with and without the gate."""
+    return [(s, DTYPES[s % 3], s % 2, 3 if s % 4 == 1 else 0) for s in range(8)]
+
+
+def _a2e_e2a_rank(rank, group, A, F):
+    ops = torch.ops.afd_ascend
+    checked = 0
+    for step, dtype, gate, pad in steps():
+        k = TOPK if gate else 0
+        common = dict(hidden_size=H, topk=k, expert_rank_size=F, attention_rank_size=A,
+                      rank=rank, group_ep=group, compute_gate=gate)
+        if rank >= F:  # attention
+            a = rank - F
+            x, ids, scales = inputs(a, step, dtype)
+            out = ops.a2e(x, ids if gate else None, scales if gate else None,
+                          batch_size=x.shape[0], **common)
+            meta = ops.a2e(x.to("meta"), None, None, batch_size=x.shape[0], **common)
+            assert [t.shape for t in out] == [t.shape for t in meta], (out, meta)
+            assert out[3].tolist() == [x.shape[0]]
+            common.pop("compute_gate")
+            y = ops.e2a(torch.empty_like(x), out[3], batch_size=x.shape[0], **common)
+            want = ffn_function(x, a % F, ids if gate else None, scales if gate else None)
+            assert y.dtype == dtype and torch.equal(y, want), f"step {step} attention {a}"
+            assert ops.e2a(x.to("meta"), out[3].to("meta"), **common).shape == y.shape
+            checked += y.shape[0]
+        else:  # FFN rank f serves a = f, f+F, ...
+            sources = list(range(rank, A, F))
+            parts = [inputs(a, step, dtype) for a in sources]
+            total = sum(p[0].shape[0] for p in parts)
+            n = total + pad
+            x, ids, scales, counts, active = ops.a2e(
+                torch.empty(0, H, dtype=dtype), torch.empty(0, k, dtype=torch.int32),
+                torch.empty(0, k, dtype=torch.float32), batch_size=n, **common)
+            meta = ops.a2e(torch.empty(0, H, dtype=dtype, device="meta"),
+                           torch.empty(0, k, dtype=torch.int32, device="meta"),
+                           torch.empty(0, k, dtype=torch.float32, device="meta"),
+                           batch_size=n, **common)
+            assert [(t.shape, t.dtype) for t in meta] == \
+                [(t.shape, t.dtype) for t in (x, ids, scales, counts, active)]
+            assert counts.tolist() == [p[0].shape[0] for p in parts]
+            assert x.shape == (n, H) and x.dtype == dtype
+            assert torch.equal(x[:total], torch.cat([p[0] for p in parts]))
+            assert not x[total:].any() and active.tolist() == [True] * total + [False] * pad
+            if gate:
+                assert torch.equal(ids[:total], torch.cat([p[1] for p in parts]))
+                assert torch.equal(scales[:total], torch.cat([p[2] for p in parts]))
+            else:
+                assert ids.shape == (n, 0)
+            y = ffn_function(x, rank, ids if gate else None, scales if gate else None)
+            common.pop("compute_gate")
+            assert ops.e2a(y, counts, batch_size=n, **common).shape == (0, H)
+            checked += total
+    return checked
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("A,F", [(1, 1), (2, 1), (4, 2)], ids=["1A1F", "2A1F", "4A2F"])
+def test_a2e_e2a_move_rows_exactly(A, F):
+    checked = run_op_world(_a2e_e2a_rank, A + F, A, F)
+    sent = sum(rows_of(a, s) for a in range(A) for s, *_ in steps())
+    assert sum(checked[F:]) == sum(checked[:F]) == sent > 0
+
+
+def test_unknown_group_and_bad_world_are_named():
+    afd_ascend_ops.ensure_cam_p2p_ops_available("cpu")
+    x = torch.zeros(2, H)
+    with pytest.raises(RuntimeError, match="no process group named 'nope'"):
+        torch.ops.afd_ascend.a2e(x, hidden_size=H, expert_rank_size=1, attention_rank_size=1,
+                                 rank=1, group_ep="nope")
+    with pytest.raises(RuntimeError, match="rank 5 outside the world"):
+        torch.ops.afd_ascend.e2a(x, torch.tensor([2]), hidden_size=H, expert_rank_size=1,
+                                 attention_rank_size=1, rank=5, group_ep="nope")
+    with pytest.raises(RuntimeError, match="expert_rank_size must be > 0"):
+        torch.ops.afd_ascend.a2e(x, hidden_size=H, attention_rank_size=1, group_ep="g")
+
+
+def test_loaders_name_missing_ops_backend_and_remedy():
+    afd_ascend_ops.ensure_cam_async_ops_available("cpu")  # all six ops have CPU kernels
+    assert afd_ascend_ops.ensure_afd_ascend_ops_loaded is afd_ascend_ops.ensure_cam_async_ops_available
+    for _ in range(2):  # a failure is not cached
+        with pytest.raises(RuntimeError) as e:
+            afd_ascend_ops._ensure(("a2e", "no_such_op"), "cpu")
+        assert "not defined: no_such_op" in str(e.value) and "'cpu'" in str(e.value)
+        assert "reinstall afd-ascend-ops" in str(e.value)
+    with pytest.raises(RuntimeError) as e:
+        afd_ascend_ops.ensure_cam_p2p_ops_available("cuda")
+    assert "no kernel for device 'cuda'" in str(e.value) and "a2e, e2a" in str(e.value)
+    assert "Remedy" in str(e.value)
+
+
+def test_schemas_are_the_deployed_ones():
+    afd_ascend_ops.ensure_cam_async_ops_available("cpu")
+    schema = str(torch.ops.afd_ascend.a2e.default._schema)
+    assert schema == ("afd_ascend::a2e(Tensor x, Tensor? expert_ids=None, Tensor? scales=None, "
+                      "int batch_size=0, int hidden_size=0, int topk=0, int expert_rank_size=0, "
+                      "int attention_rank_size=0, int rank=0, str group_ep=\"\", int aiv_num=0, "
+                      "int compute_gate=0) -> Tensor[]")
+    assert str(torch.ops.afd_ascend.e2a.default._schema) == (
+        "afd_ascend::e2a(Tensor expand_x, Tensor atten_batch_size, int batch_size=0, "
+        "int hidden_size=0, int topk=0, int expert_rank_size=0, int attention_rank_size=0, "
+        "int rank=0, str group_ep=\"\", int aiv_num=0) -> Tensor")
