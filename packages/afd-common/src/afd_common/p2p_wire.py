@@ -14,12 +14,11 @@ one layer's rows to another.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from afd_common.control_plane import GlooControlPlane, link_peers
 from afd_common.metadata import MAX_STAGES
+from afd_common.sync_connector import SyncLinks
 from afd_common.transport import PeerIO, default_backend
 from afd_common.world import AFDWorld
 
@@ -29,9 +28,6 @@ PROTOCOL = "p2p/1"
 
 def data_tag(layer_idx: int, stage: int) -> int:
     return layer_idx * MAX_STAGES + stage
-
-
-WATCH_TAG = 0x7FFE  # never sent: a receive on it only ends when the connection does
 
 
 def routing_nbytes(rows: int, top_k: int) -> int:
@@ -68,15 +64,6 @@ def unpack(buf: torch.Tensor, rows: int, hidden_size: int, dtype: torch.dtype, t
     return hidden, ids, weights
 
 
-@dataclass
-class SyncLinks:
-    """The world, data I/O and control plane one half of a sync connector works with."""
-
-    world: AFDWorld
-    data: PeerIO
-    control: GlooControlPlane
-
-
 def open_p2p_world(connector) -> SyncLinks:
     """Rendezvous, handshake and groups for either half of the P2P connector."""
     cfg, topo = connector.config, connector.topology
@@ -93,4 +80,4 @@ def open_p2p_world(connector) -> SyncLinks:
     except BaseException:
         world.close()
         raise
-    return SyncLinks(world, data, control)
+    return SyncLinks(world, control, data)
