@@ -9,11 +9,13 @@ from afd_common.patching import PatchSet
 
 def builders():
     importlib.import_module("vllm.entrypoints.launchers.app")  # as in the API server process
-    from afd_attention.patches import remote_moe
+    from afd_attention.patches import async_dp_engine, async_dp_forward_context, remote_moe
     from afd_common.patches import api_server, vllm_config
     from afd_ffn.patches import prune
     return {"vllm_config": vllm_config.build, "api_server": api_server.build,
-            "attention_remote_moe": remote_moe.build, "ffn_prune": prune.build}
+            "attention_remote_moe": remote_moe.build, "ffn_prune": prune.build,
+            "async_dp_engine": async_dp_engine.build,
+            "async_dp_forward_context": async_dp_forward_context.build}
 
 
 def snapshot(patch: PatchSet):
@@ -24,7 +26,7 @@ def snapshot(patch: PatchSet):
 
 
 @pytest.mark.parametrize("name", ["vllm_config", "api_server", "attention_remote_moe",
-                                  "ffn_prune"])
+                                  "ffn_prune", "async_dp_engine", "async_dp_forward_context"])
 def test_install_then_uninstall_restores_vllm(name):
     patch = builders()[name]()
     assert patch is not None and (patch._attrs or patch._items)
@@ -47,3 +49,43 @@ def test_version_guard(monkeypatch):
     with pytest.raises(RuntimeError, match="written for vLLM 0.32"):
         patch.install()
     assert not patch.installed
+
+
+def test_async_dp_patches_see_vllm_as_it_is_meant():
+    """While installed: the attention model is not MoE for vLLM's engine and DP decisions, and
+    spawned engine cores start through the wrapper that installs the same patch set."""
+    from vllm.config.model import ModelConfig
+    from vllm.v1.engine.core import EngineCoreProc
+    import vllm.forward_context as fc
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    from afd_attention.patches import async_dp_engine, async_dp_forward_context
+
+    engine = async_dp_engine.build()
+    with engine.applied():
+        assert ModelConfig.is_moe.fget(object()) is False
+        assert EngineCoreProc.run_engine_core is async_dp_engine.run_engine_core
+    assert EngineCoreProc.run_engine_core is async_dp_engine._VLLM_RUN_ENGINE_CORE
+    original = fc.set_forward_context
+    ctx = async_dp_forward_context.build()
+    with ctx.applied():
+        assert fc.set_forward_context is gmr.set_forward_context is not original
+    assert fc.set_forward_context is gmr.set_forward_context is original
+
+
+@pytest.mark.parametrize("kind,extra,field", [
+    ("cpu", {}, "ops_backend"), ("cuda", {"ops_backend": "portable"}, "async_dp"),
+    ("cpu", {"ops_backend": "portable"}, None), ("npu", {}, None)])
+def test_async_dp_platform_gate(kind, extra, field):
+    from afd_common.config import parse_afd_config
+    from afd_common.errors import AFDConfigError
+    from afd_common.patches.vllm_config import _check_async_dp
+
+    afd = parse_afd_config({"role": "attention", "connector": "CAMAsyncAFDConnector",
+                            "async_dp": True, "compute_gate_on_attention": True,
+                            "connector_extra_config": extra})
+    if field is None:
+        _check_async_dp(afd, kind)
+    else:
+        with pytest.raises(AFDConfigError, match=field):
+            _check_async_dp(afd, kind)

@@ -22,20 +22,26 @@ def weights(server) -> dict:
     return json.loads(line.split("AFD weights:", 1)[1])["by_category"]
 
 
-# (checkpoint, gate on the attention side, attention ranks): one case is the multi-rank topology
-# 2 attention ranks : 1 FFN rank, where the FFN rank serves both.
-CASES = [("deepseek_v2", True, 1), ("deepseek_v2", False, 2), ("qwen3_moe", True, 1),
-         ("qwen3_moe", False, 1)]
+# (checkpoint, gate on the attention side, attention ranks, connector): one case is the
+# multi-rank topology 2 attention ranks : 1 FFN rank, where the FFN rank serves both; the CAM
+# connectors move the rows through the afd_ascend ops (portable kernels over Gloo), CAMAsync
+# with async DP and the FFN role's receive loop as the clock.
+CASES = [("deepseek_v2", True, 1, "P2pAFDConnector"), ("deepseek_v2", False, 2, "P2pAFDConnector"),
+         ("qwen3_moe", True, 1, "P2pAFDConnector"), ("qwen3_moe", False, 1, "P2pAFDConnector"),
+         ("deepseek_v2", True, 1, "CAMP2pAFDConnector"),
+         ("deepseek_v2", True, 1, "CAMAsyncAFDConnector")]
+ASYNC = {"async_dp": True, "connector_extra_config": {"ops_backend": "portable"}}
 
 
-@pytest.mark.parametrize("arch,gate_on_attention,num_attention_ranks", CASES,
-                         ids=[f"{a}-gate_on_{'attention' if g else 'ffn'}-{n}A1F"
-                              for a, g, n in CASES])
+@pytest.mark.parametrize("arch,gate_on_attention,num_attention_ranks,connector", CASES,
+                         ids=[f"{a}-gate_on_{'attention' if g else 'ffn'}-{n}A1F-{c}"
+                              for a, g, n, c in CASES])
 def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(
-        arch, gate_on_attention, num_attention_ranks, models, colocated, logs):
-    with afd_pair(f"{arch}-{gate_on_attention}-{num_attention_ranks}A", logs, models[arch],
-                  num_attention_ranks=num_attention_ranks,
-                  compute_gate_on_attention=gate_on_attention) as pair:
+        arch, gate_on_attention, num_attention_ranks, connector, models, colocated, logs):
+    extra = ASYNC if connector == "CAMAsyncAFDConnector" else {}
+    with afd_pair(f"{arch}-{gate_on_attention}-{num_attention_ranks}A-{connector}", logs,
+                  models[arch], num_attention_ranks=num_attention_ranks, connector=connector,
+                  compute_gate_on_attention=gate_on_attention, **extra) as pair:
         answers = complete(pair.attention, PROMPTS[:NUM_PROMPTS])
         problems = compare(answers, colocated[arch])
         assert not problems, "\n".join(problems)

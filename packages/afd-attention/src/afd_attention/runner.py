@@ -15,6 +15,7 @@ from afd_common import lifecycle
 from afd_common.registry import resolve_connector
 from afd_common.vllm_model import layer_index, model_shape, weight_summary
 
+from afd_attention.patches import async_dp_enabled, async_dp_forward_context
 from afd_attention.patches import remote_moe as remote_moe_patch
 from afd_attention.session import AttentionSession
 
@@ -23,6 +24,7 @@ logger = logging.getLogger("vllm.afd")
 
 class AFDAttentionRunnerMixin:
     afd_session: AttentionSession | None = None
+    _afd_patches = None
 
     def load_model(self, *args, **kwargs):
         with remote_moe_patch.build().applied():
@@ -43,13 +45,17 @@ class AFDAttentionRunnerMixin:
         runners = {layer_index(m.layer_name): m for m in self.model.modules()
                    if isinstance(m, AFDAttentionMoERunner)}
         shape = model_shape(self.vllm_config, runners)
-        rank = self.vllm_config.parallel_config.data_parallel_rank
+        # The DP index survives async DP, where each engine is reconfigured as DP rank 0 of 1.
+        rank = self.vllm_config.parallel_config.data_parallel_index
         connector = resolve_connector(config.connector, "attention")(config, rank, shape,
                                                                      self.device)
         logger.info("AFD attention rank %d: %s connecting to the FFN role at %s:%d (%d MoE "
                     "layers, gate on %s)", rank, config.connector, config.host, config.port,
                     len(shape.moe_layers),
                     "attention" if config.compute_gate_on_attention else "FFN")
+        if async_dp_enabled(config):
+            self._afd_patches = async_dp_forward_context.build()
+            self._afd_patches.install()
         connector.init()
         session = self.afd_session = AttentionSession(config, connector)
 
@@ -64,6 +70,9 @@ class AFDAttentionRunnerMixin:
         logger.info("AFD attention rank %d: connected", rank)
 
     def afd_close(self) -> None:
+        if self._afd_patches is not None:
+            self._afd_patches.uninstall()
+            self._afd_patches = None
         if self.afd_session is not None:
             self.afd_session.close()
             self.afd_session = None

@@ -8,6 +8,11 @@ The FFN side applies a known function per layer; every attention rank checks eve
 exactly (integer-valued data, so float32 and bfloat16 are exact)::
 
     y = x * (layer + 1) + stage            (+ sum(topk_ids) * sum(topk_weights) with the gate)
+
+Async connectors (no control plane) run each (token, expert) row through its own expert and the
+attention side combines them, so there the function is per expert ``e``::
+
+    y = sum_k topk_weights[k] * (x * (layer + 1) + stage + topk_ids[k])
 """
 
 from __future__ import annotations
@@ -79,6 +84,12 @@ def expected(x, layer, stage, ids=None, weights=None):
     return y
 
 
+def expected_async(x, layer, stage, ids, weights):
+    per_expert = x.to(torch.float32).unsqueeze(1) * (layer + 1) + stage \
+        + ids.to(torch.float32).unsqueeze(-1)
+    return (weights.unsqueeze(-1) * per_expert).sum(1).to(x.dtype)
+
+
 def make_inputs(spec: Spec, step: int, rank: int, layer: int, stage: int, n: int):
     g = torch.Generator().manual_seed(step * 1_000_003 + rank * 1009 + layer * 31 + stage)
     x = torch.randint(-8, 9, (n, spec.hidden_size), generator=g).to(getattr(torch, spec.dtype))
@@ -92,6 +103,7 @@ def make_inputs(spec: Spec, step: int, rank: int, layer: int, stage: int, n: int
 def attention_rank(spec: Spec, rank: int) -> dict:
     cls = resolve_connector(spec.connector, "attention")
     conn = cls(spec.config("attention"), rank, spec.shape())
+    want_fn = expected_async if cls.supports_async_dp else expected
     checked = 0
     with conn:
         for step in range(spec.steps):
@@ -105,7 +117,7 @@ def attention_rank(spec: Spec, rank: int) -> dict:
                                           inputs[stage][1], inputs[stage][2])
                 for stage in range(spec.stages):
                     out = conn.recv_ffn_output(LayerCall(layer, stage))
-                    want = expected(*inputs[stage][:1], layer, stage, *inputs[stage][1:])
+                    want = want_fn(*inputs[stage][:1], layer, stage, *inputs[stage][1:])
                     if not torch.equal(out, want):
                         bad = (out != want).any(-1).nonzero().flatten().tolist()
                         raise AssertionError(f"attention rank {rank} step {step} layer {layer} "
@@ -121,6 +133,8 @@ def ffn_rank(spec: Spec, rank: int) -> dict:
     conn = cls(spec.config("ffn"), rank, spec.shape())
     served = {"rows": 0, "steps": 0}
     with conn:
+        if conn.control_plane is None:
+            return _serve_async(conn, served)
         while True:
             plan = conn.recv_step()
             if plan.kind == StepKind.STOP:
@@ -138,6 +152,22 @@ def ffn_rank(spec: Spec, rank: int) -> dict:
             conn.end_step()
             served["steps"] += 1
     return served
+
+
+def _serve_async(conn, served: dict) -> dict:
+    """The receive loop of an async connector: each item names its layer; row i goes to expert
+    ``topk_ids[i, 0]``."""
+    served["items"] = 0
+    while True:
+        item = conn.recv_ffn_work_item(0)
+        if item.meta.is_stop:
+            return served
+        if item.num_tokens:
+            y = item.hidden_states * (item.layer_idx + 1) + item.meta.stage \
+                + item.topk_ids.to(item.hidden_states.dtype)
+            conn.send_ffn_output(y, item)
+            served["rows"] += item.num_tokens
+        served["items"] += 1
 
 
 def _entry(role: str, spec: Spec, rank: int, q) -> None:

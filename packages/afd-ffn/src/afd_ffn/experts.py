@@ -3,12 +3,16 @@
 The same arithmetic as vLLM's fused MoE call up to the routed output (gate -> top-k ->
 weighted experts); ``routed_scaling_factor`` and the shared experts are applied on the attention
 role.
+
+A work item of an async connector routes each row to one expert with weight 1 (``topk_ids``
+[rows, 1]); the attention side weights and sums the rows.
 """
 
 from __future__ import annotations
 
 import torch
 
+from afd_common.forward_metadata import ffn_forward_context
 from afd_common.metadata import WorkItem
 
 
@@ -19,11 +23,9 @@ class LayerExperts:
 
     @torch.inference_mode()
     def __call__(self, item: WorkItem, plan=None) -> torch.Tensor:
-        from vllm.forward_context import set_forward_context
-
         runner = self.runners[item.layer_idx]
         x = item.hidden_states
-        with set_forward_context(None, self.vllm_config, num_tokens=x.shape[0]):
+        with ffn_forward_context(self.vllm_config, item):
             if item.topk_ids is None:
                 logits, _ = runner.gate(x)
                 topk_weights, topk_ids = runner.router.select_experts(

@@ -33,7 +33,7 @@ class AFDFFNRunnerMixin:
                    if isinstance(m, MoERunner)}
         config = afd_config_from_vllm(self.vllm_config)
         shape = model_shape(self.vllm_config, runners)
-        rank = self.vllm_config.parallel_config.data_parallel_rank
+        rank = self.vllm_config.parallel_config.data_parallel_index
         self.afd_service = FFNService(config, rank, shape,
                                       LayerExperts(self.vllm_config, runners), self.device)
         self.afd_service.start()

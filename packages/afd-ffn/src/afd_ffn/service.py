@@ -1,7 +1,8 @@
 """The FFN role's serving loop, in a thread of the FFN worker.
 
 vLLM's worker keeps answering its engine's calls (start-up, status) on its main thread while this
-thread connects to the attention role and runs the sync runner until the attention role stops.
+thread connects to the attention role and runs the sync runner (or, for connectors without a
+control plane, the async runner) until the attention role stops.
 When the loop ends the whole FFN server goes down with it: an FFN role without its attention role
 has nothing to do. After a STOP the server is stopped normally; after a failure this worker ends,
 so vLLM fails the engine -- which also works while vLLM is still starting up, when a stop signal
@@ -20,6 +21,7 @@ from afd_common import lifecycle
 from afd_common.metadata import ModelShape
 from afd_common.registry import resolve_connector
 
+from afd_ffn.async_runner import AsyncFFNRunner
 from afd_ffn.sync_runner import SyncFFNRunner
 
 logger = logging.getLogger("vllm.afd")
@@ -32,7 +34,7 @@ class FFNService:
         self.device = device
         self.state = "starting"
         self.error: str | None = None
-        self.runner: SyncFFNRunner | None = None
+        self.runner: SyncFFNRunner | AsyncFFNRunner | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"afd-ffn-{rank}", daemon=True)
         self.connector = resolve_connector(config.connector, "ffn")(config, rank, shape, device)
@@ -49,7 +51,11 @@ class FFNService:
             self.state = "serving"
             logger.info("AFD FFN rank %d: connected; serving %d MoE layers", self.rank,
                         len(self.shape.moe_layers))
-            self.runner = SyncFFNRunner(self.connector, self.compute)
+            # Connectors without a control plane carry the layer index in their data: the
+            # receive loop is the clock.
+            runner_cls = (SyncFFNRunner if self.connector.control_plane is not None
+                          else AsyncFFNRunner)
+            self.runner = runner_cls(self.connector, self.compute)
             steps = self.runner.run(self._stop.is_set)
             self.state = "stopped"
             if not self._stop.is_set():

@@ -8,30 +8,21 @@ overlap stage s+1's attention with stage s's experts.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 
-import torch
+from afd_common.contract import FFNConnector
+from afd_common.metadata import StepKind
 
-from afd_common.contract import FFNConnector, StepPlan
-from afd_common.metadata import StepKind, WorkItem
+from afd_ffn.serving_loop import ComputeFn, ServingLoop
 
 logger = logging.getLogger("vllm.afd")
 
-ComputeFn = Callable[[WorkItem, StepPlan], torch.Tensor]
 
-
-class SyncFFNRunner:
-    """``compute(item, plan)`` returns the expert output for ``item`` (same rows, same dtype)."""
-
+class SyncFFNRunner(ServingLoop):
     def __init__(self, connector: FFNConnector, compute: ComputeFn,
                  moe_layers: tuple[int, ...] | None = None):
-        self.connector = connector
-        self.compute = compute
+        super().__init__(connector, compute)
         self.moe_layers = tuple(moe_layers if moe_layers is not None
                                 else connector.shape.moe_layers)
-        self.steps_done = 0
-        self.last_step_at: float | None = None
 
     def run_step(self) -> bool:
         """Serve one step. False once the attention side said STOP."""
@@ -47,13 +38,4 @@ class SyncFFNRunner:
                 if item.num_tokens == 0:
                     continue  # nothing came in, nothing goes back
                 conn.send_ffn_output(self.compute(item, plan), item)
-        conn.end_step()
-        self.steps_done += 1
-        self.last_step_at = time.monotonic()
-        return True
-
-    def run(self, should_stop: Callable[[], bool] = lambda: False) -> int:
-        """Serve steps until STOP (or ``should_stop``). Returns the number of steps served."""
-        while not should_stop() and self.run_step():
-            pass
-        return self.steps_done
+        return self._served()

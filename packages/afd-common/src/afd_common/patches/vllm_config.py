@@ -8,6 +8,7 @@ section fail in the API server, before any engine process or socket exists.
 from __future__ import annotations
 
 import os
+from importlib.metadata import entry_points
 
 from afd_common import lifecycle
 from afd_common.config import AFDConfig, afd_config_from_vllm
@@ -43,8 +44,10 @@ def before(vllm_config, afd: AFDConfig) -> None:
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise AFDConfigError(field, role_ranks, "AFD roles run with tensor and pipeline parallel "
                              "size 1 per rank in this version; scale with data parallelism")
+    kind = _device_kind()
+    if afd.async_dp:
+        _check_async_dp(afd, kind)
     if parallel.worker_cls == "auto":
-        kind = _device_kind()
         worker = WORKERS.get((kind, afd.role))
         if worker is None:
             raise AFDConfigError("role", afd.role, f"no AFD worker for the {kind!r} platform in "
@@ -53,6 +56,22 @@ def before(vllm_config, afd: AFDConfig) -> None:
     # Our runners extend vLLM's V1 model runner.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     lifecycle.install_root_failure_handler(stop=afd.is_ffn)
+    # The role package's own config-time changes (e.g. async DP's engine patch), found through
+    # its entry point so this package never imports a role.
+    for hook in entry_points(group="afd.vllm_config", name=afd.role):
+        hook.load()(vllm_config, afd)
+
+
+def _check_async_dp(afd: AFDConfig, kind: str) -> None:
+    """Async DP runs on the CAM ops: an NPU's, or their portable kernels on CPU when asked for."""
+    if kind == "cpu":
+        if afd.extra.ops_backend != "portable":
+            raise AFDConfigError("connector_extra_config.ops_backend", afd.extra.ops_backend,
+                                 "async_dp on CPU runs the afd_ascend ops' portable kernels: set "
+                                 "it to \"portable\"")
+    elif kind != "npu":
+        raise AFDConfigError("async_dp", afd.async_dp, f"async DP needs the CAM ops of an Ascend "
+                             f"NPU (or their portable kernels on CPU); not available on {kind!r}")
 
 
 def after(vllm_config, afd: AFDConfig) -> None:

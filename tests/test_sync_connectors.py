@@ -1,4 +1,6 @@
-"""The P2P connector between spawned ranks over Gloo on 127.0.0.1."""
+"""The sync connectors (P2P, CAMP2p) between spawned ranks over Gloo on 127.0.0.1.
+
+CAMP2p moves its rows through the portable afd_ascend.a2e/e2a kernels over Gloo."""
 
 import time
 
@@ -43,9 +45,35 @@ def test_nccl_alias_and_one_stage():
     assert_all_ok(run_world(spec), spec)
 
 
-def test_peer_killed_mid_step_fails_fast():
+CAM_TOPOLOGIES = [(1, 1), (2, 1), (3, 2)]
+
+
+@pytest.mark.parametrize("A,F", CAM_TOPOLOGIES, ids=[f"{a}A{f}F" for a, f in CAM_TOPOLOGIES])
+def test_cam_p2p_topologies_exact(A, F):
+    spec = Spec(A, F, connector="CAMP2pAFDConnector", steps=4, num_layers=4, stages=2,
+                timeout_s=30)
+    assert_all_ok(run_world(spec), spec)
+
+
+def test_cam_p2p_gate_on_attention_bf16():
+    spec = Spec(2, 1, connector="CAMP2pAFDConnector", steps=3, gate_on_attention=True,
+                dtype="bfloat16", timeout_s=30)
+    assert_all_ok(run_world(spec), spec)
+
+
+def test_cam_p2p_refuses_fewer_attention_than_ffn_ranks_before_any_socket():
+    cfg = parse_afd_config({"role": "attention", "connector": "CAMP2pAFDConnector", "port": 1,
+                            "num_attention_ranks": 1, "num_ffn_ranks": 2})
+    shape = ModelShape(hidden_size=16, dtype=torch.float32, num_layers=1, moe_layers=(0,))
+    with pytest.raises(ValueError, match="'num_ffn_ranks' = 2.*a % F"):
+        resolve_connector("CAMP2pAFDConnector", "attention")(cfg, 0, shape)
+
+
+@pytest.mark.parametrize("connector", ["P2pAFDConnector", "CAMP2pAFDConnector"])
+def test_peer_killed_mid_step_fails_fast(connector):
     timeout = 8.0
-    spec = Spec(2, 1, steps=5, timeout_s=timeout, die_ffn_rank=0, die_at=(2, 1))
+    spec = Spec(2, 1, connector=connector, steps=5, timeout_s=timeout, die_ffn_rank=0,
+                die_at=(2, 1))
     start = time.monotonic()
     results = run_world(spec, deadline_s=60)
     by = {(r.role, r.rank): r for r in results}

@@ -1,0 +1,79 @@
+"""Attention half of ``CAMAsyncAFDConnector`` (Ascend, async DP).
+
+No control plane: each MoE layer's hidden states and top-k routing go out through
+``afd_ascend.afd_async_dispatch_send`` (its header carries the layer index and row counts) and the
+weighted expert outputs come back through ``afd_ascend.afd_async_combine_recv``. The FFN side
+serves whichever attention rank is ready, so this rank never waits for the others (async DP).
+``routed_scaling_factor`` stays on this role, as for every connector. World layout and expert
+sharding: ``afd_common.cam_wire``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afd_common.attention_half import AttentionHalf
+from afd_common.cam_wire import ATTENTION_TP, CAMAsyncHalf, op_error
+from afd_common.metadata import LayerCall
+from afd_common.sync_connector import WATCH_TAG
+
+STOP_LAYER = -1
+
+
+class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionHalf):
+    def watch_peers(self, on_lost) -> None:
+        links = self._require_links()
+        links.io.watch([self.topology.ffn_global_rank(f) for f in range(
+            self.config.num_ffn_ranks)], WATCH_TAG, lambda peer, reason: on_lost(reason))
+
+    def _dispatch(self, x, ids, stage: int, layer: int) -> None:
+        torch.ops.afd_ascend.afd_async_dispatch_send(
+            x, ids, self._comm_args, comm_id=stage,
+            max_seq_len=max(self.shape.max_num_tokens, x.shape[0]), batch_size=x.shape[0],
+            layer_index=layer, tp_size=ATTENTION_TP, dynamic_quant=self._quant,
+            attn_rank_id=self.local_rank, **self._op_args())
+
+    def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None) -> None:
+        self._require_links()
+        rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
+        ids = topk_ids.to(torch.int32)
+        try:
+            self._dispatch(hidden_states.contiguous(), ids, call.stage, call.layer_idx)
+        except RuntimeError as e:
+            raise op_error(e, f"dispatching layer {call.layer_idx} stage {call.stage}",
+                           "the FFN ranks") from None
+        self._inflight[call] = (rows, ids, topk_weights.to(torch.float32))
+
+    def recv_ffn_output(self, call: LayerCall) -> torch.Tensor:
+        self._require_links()
+        rows, ids, weights = self._pop_inflight(call)
+        like = torch.empty(0, self.shape.hidden_size, dtype=self.shape.dtype, device=self.device)
+        try:
+            return torch.ops.afd_ascend.afd_async_combine_recv(
+                like, ids, weights, self._comm_args, comm_id=call.stage, batch_size=rows,
+                attn_rank_id=self.local_rank, **self._op_args())
+        except RuntimeError as e:
+            raise op_error(e, f"the expert outputs of layer {call.layer_idx} stage "
+                              f"{call.stage}", "the FFN ranks") from None
+
+    def close(self) -> None:
+        links, self._links = self._links, None
+        if links is None:
+            return
+        links.io.closing = True
+        try:
+            if not self._inflight:
+                # A stop header per stream ends the FFN side's receive loop cleanly; the op
+                # waits (bounded) until the FFN ranks took it.
+                self._links = links
+                empty = torch.empty(0, self.shape.hidden_size, dtype=self.shape.dtype,
+                                    device=self.device)
+                none = torch.empty(0, self.shape.top_k, dtype=torch.int32, device=self.device)
+                for stage in range(self.config.extra.num_micro_batches):
+                    self._dispatch(empty, none, stage, STOP_LAYER)
+        except Exception:  # noqa: BLE001 - the peer may already be gone; closing must not fail
+            pass
+        finally:
+            self._links = None
+            self._inflight.clear()
+            links.close()

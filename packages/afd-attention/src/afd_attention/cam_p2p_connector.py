@@ -1,0 +1,47 @@
+"""Attention half of ``CAMP2pAFDConnector`` (Ascend, sync).
+
+Hidden states (and routing, with the gate on attention) go out through ``afd_ascend.a2e`` and the
+results come back through ``afd_ascend.e2a``, one registered group per micro-batch stage; step
+metadata goes once per step over the Gloo control plane. On an NPU the ops ride HCCL through
+torch-npu (not exercised here); on CPU the portable kernels ride Gloo. World layout and mapping:
+``afd_common.cam_wire``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afd_common.cam_wire import CAMP2pHalf, op_error
+from afd_common.metadata import LayerCall
+from afd_common.sync_connector import SyncAttentionConnector
+
+
+class CAMP2pAttentionConnector(CAMP2pHalf, SyncAttentionConnector):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._peer = f"FFN rank {self.local_rank % self.config.num_ffn_ranks}"
+
+    def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None) -> None:
+        self._require_net()
+        rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
+        gate = topk_ids is not None
+        try:
+            torch.ops.afd_ascend.a2e(
+                hidden_states, topk_ids.to(torch.int32) if gate else None,
+                topk_weights.to(torch.float32) if gate else None, batch_size=rows,
+                compute_gate=int(gate), **self._op_args(call.stage))
+        except RuntimeError as e:
+            raise op_error(e, f"sending layer {call.layer_idx} stage {call.stage}",
+                           self._peer) from None
+        self._inflight[call] = rows
+
+    def recv_ffn_output(self, call: LayerCall) -> torch.Tensor:
+        rows = self._pop_inflight(call)
+        like = torch.empty(rows, self.shape.hidden_size, dtype=self.shape.dtype,
+                           device=self.device)
+        try:
+            return torch.ops.afd_ascend.e2a(like, torch.tensor([rows]), batch_size=rows,
+                                            **self._op_args(call.stage))
+        except RuntimeError as e:
+            raise op_error(e, f"the FFN result of layer {call.layer_idx} stage {call.stage}",
+                           self._peer) from None

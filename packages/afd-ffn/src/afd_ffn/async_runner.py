@@ -1,0 +1,39 @@
+"""The FFN async runner: the receive loop is the clock (connectors without a control plane).
+
+Each work item names its own layer (read off the wire), so the loop needs no step schedule: it
+runs whatever arrives -- any attention DP group, any layer -- and returns it. Zero-row items are
+acknowledged without computing; stop items from every attention DP group end the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from afd_common.contract import FFNConnector
+
+from afd_ffn.serving_loop import ComputeFn, ServingLoop
+
+logger = logging.getLogger("vllm.afd")
+
+
+class AsyncFFNRunner(ServingLoop):
+    """``steps_done`` counts work items: the unit ``/health`` reports for this runner."""
+
+    def __init__(self, connector: FFNConnector, compute: ComputeFn, stage: int = 0):
+        if connector.control_plane is not None:
+            raise ValueError(f"{type(connector).__name__} has a control plane: use the sync "
+                             "runner")
+        super().__init__(connector, compute)
+        self.stage = stage
+
+    def run_step(self) -> bool:
+        """Serve one work item. False once every attention DP group sent its stop item."""
+        conn = self.connector
+        item = conn.recv_ffn_work_item(self.stage)
+        if item.meta.is_stop:
+            logger.info("AFD FFN rank %d: every attention rank stopped after %d work items",
+                        conn.local_rank, self.steps_done)
+            return False
+        if item.num_tokens:
+            conn.send_ffn_output(self.compute(item, None), item)
+        return self._served()

@@ -1,0 +1,42 @@
+"""What both FFN runners share: serve until told to stop, and count what was served for
+``/health``."""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable
+
+import torch
+
+from afd_common.contract import FFNConnector, StepPlan
+from afd_common.metadata import WorkItem
+
+ComputeFn = Callable[[WorkItem, StepPlan | None], torch.Tensor]
+
+
+class ServingLoop(abc.ABC):
+    """``compute(item, plan)`` returns the expert output for ``item`` (same rows, same dtype);
+    ``plan`` is the step's plan for the sync runner, None for the async one."""
+
+    def __init__(self, connector: FFNConnector, compute: ComputeFn):
+        self.connector = connector
+        self.compute = compute
+        self.steps_done = 0
+        self.last_step_at: float | None = None
+
+    @abc.abstractmethod
+    def run_step(self) -> bool:
+        """Serve one unit (a step, or a work item). False once the attention side stopped."""
+
+    def _served(self) -> bool:
+        self.connector.end_step()
+        self.steps_done += 1
+        self.last_step_at = time.monotonic()
+        return True
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> int:
+        """Serve until the attention side stops (or ``should_stop``). Returns units served."""
+        while not should_stop() and self.run_step():
+            pass
+        return self.steps_done

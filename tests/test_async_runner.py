@@ -1,0 +1,58 @@
+"""The FFN async runner: the receive loop is the clock -- each item's own layer is computed,
+zero-row items are acknowledged without computing, and a stop item ends the loop."""
+
+import pytest
+import torch
+
+from afd_common.metadata import StepKind, WorkItem, WorkItemMeta
+from afd_ffn.async_runner import AsyncFFNRunner
+
+
+class FakeAsyncFFN:
+    control_plane = None
+    local_rank = 0
+
+    def __init__(self, items):
+        self.items = list(items)
+        self.sent = []
+        self.ends = 0
+
+    def recv_ffn_work_item(self, stage_idx=0, max_num_tokens=None, *, layer_idx=None):
+        assert layer_idx is None, "an async connector reads the layer off the wire"
+        return self.items.pop(0)
+
+    def send_ffn_output(self, output, item):
+        self.sent.append((item.layer_idx, output))
+
+    def end_step(self):
+        self.ends += 1
+
+
+def item(layer, rows, stop=False):
+    meta = WorkItemMeta(layer_idx=layer, stage=0, step=0, sources=((0, rows),) if rows else (),
+                        is_stop=stop, kind=StepKind.STOP if stop else StepKind.RUN)
+    return WorkItem(torch.full((rows, 4), float(layer)), meta)
+
+
+def test_items_name_their_layer_and_stop_ends_the_loop():
+    conn = FakeAsyncFFN([item(5, 2), item(1, 0), item(3, 1), item(-1, 0, stop=True),
+                         item(9, 1)])
+    computed = []
+
+    def compute(it, plan):
+        assert plan is None
+        computed.append(it.layer_idx)
+        return it.hidden_states * 10
+
+    served = AsyncFFNRunner(conn, compute).run()
+    assert served == 3 and conn.ends == 3
+    assert computed == [5, 3]  # the zero-row item is acknowledged without computing
+    assert [(layer, out[0, 0].item()) for layer, out in conn.sent] == [(5, 50.0), (3, 30.0)]
+    assert len(conn.items) == 1  # nothing read past the stop item
+
+
+def test_refuses_a_sync_connector():
+    conn = FakeAsyncFFN([])
+    conn.control_plane = object()
+    with pytest.raises(ValueError, match="sync runner"):
+        AsyncFFNRunner(conn, lambda it, plan: it.hidden_states)
