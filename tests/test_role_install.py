@@ -40,6 +40,14 @@ def third_party(tmp_path_factory):
     return folder
 
 
+def test_ascend_ops_wheel_carries_the_compiled_library(wheels):
+    import zipfile
+
+    (wheel,) = wheels.glob("afd_ascend_ops-*.whl")
+    assert "-py3-none-any" not in wheel.name, "a compiled library makes a platform wheel"
+    assert "afd_ascend_ops/_C.so" in zipfile.ZipFile(wheel).namelist()
+
+
 @pytest.mark.parametrize("role,other", [("attention", "ffn"), ("ffn", "attention")])
 def test_role_installs_alone(role, other, wheels, third_party, tmp_path):
     venv = tmp_path / "venv"

@@ -29,7 +29,7 @@ def weights(server) -> dict:
 CASES = [("deepseek_v2", True, 1, "P2pAFDConnector"), ("deepseek_v2", False, 2, "P2pAFDConnector"),
          ("qwen3_moe", True, 1, "P2pAFDConnector"), ("qwen3_moe", False, 1, "P2pAFDConnector"),
          ("deepseek_v2", True, 1, "CAMP2pAFDConnector"),
-         ("deepseek_v2", True, 1, "CAMAsyncAFDConnector")]
+         ("deepseek_v2", True, 2, "CAMAsyncAFDConnector")]
 ASYNC = {"async_dp": True, "connector_extra_config": {"ops_backend": "portable"}}
 
 

@@ -37,7 +37,12 @@ def before(vllm_config, afd: AFDConfig) -> None:
     parallel = vllm_config.parallel_config
     role_ranks = afd.num_attention_ranks if afd.is_attention else afd.num_ffn_ranks
     field = "num_attention_ranks" if afd.is_attention else "num_ffn_ranks"
-    if parallel.data_parallel_size != role_ranks:
+    # vLLM re-completes the config in each engine core. With async DP the attention engines are
+    # independent DP ranks by then (DP size 1, not MoE for vLLM: afd_attention's async_dp_engine),
+    # each with its own data_parallel_index.
+    independent = (afd.async_dp and parallel.data_parallel_size == 1
+                   and not vllm_config.model_config.is_moe)
+    if parallel.data_parallel_size != role_ranks and not independent:
         raise AFDConfigError(field, role_ranks, f"the {afd.role} role runs one AFD rank per data-"
                              f"parallel rank, and --data-parallel-size is "
                              f"{parallel.data_parallel_size}; make them equal")
