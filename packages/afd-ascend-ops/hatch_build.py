@@ -47,8 +47,10 @@ def build_library(verbose: bool = False) -> Path:
     version, cflags, ldflags = _flags()
     cxx = os.environ.get("CXX", "c++")
     digest = hashlib.sha256()
+    # Not the include/library paths: every isolated build env has its own copy of the same torch.
     for part in (version, cxx, *cflags, *ldflags):
-        digest.update(part.encode())
+        if not part.startswith(("-isystem", "-L")):
+            digest.update(part.encode())
     for src in sorted(CSRC.rglob("*")):
         if src.is_file():
             digest.update(src.name.encode() + src.read_bytes())
