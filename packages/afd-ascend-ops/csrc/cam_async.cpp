@@ -37,7 +37,7 @@
 //   [3] first and [4] last local expert covered, [5, 5 + tp) per-member row offsets into
 //   expand_x, [5 + tp, 5 + tp + R * tp) per-member per-expert counts (member-major; zero outside
 //   [first, last]). expert_token_counts[e] = rows of local expert e in the item. Rows past n are
-//   zeros. The members' layer indices must agree.
+//   not written (read only the first n). The members' layer indices must agree.
 //   Capacity: if the group's rows exceed cap they are split at local-expert boundaries (greedy,
 //   in expert order) into items covering consecutive ranges [first, last], each <= cap rows; the
 //   rest is queued and returned by the next calls before anything new is polled (those calls
@@ -396,7 +396,9 @@ std::vector<at::Tensor> empty_item(int64_t cap, int64_t H, int64_t R, int64_t tp
                                    at::ScalarType row_dtype, const at::TensorOptions& opts,
                                    std::vector<int64_t>& info) {
   info.assign(kInfoFixed + tp + R * tp, 0);
-  return {at::zeros({cap, H}, opts.dtype(row_dtype)), at::ones({cap}, opts.dtype(at::kFloat)),
+  // Capacity-sized so shapes stay static (graph capture); only the first n rows are written:
+  // zero-filling the rest would touch capacity x H bytes per item.
+  return {at::empty({cap, H}, opts.dtype(row_dtype)), at::ones({cap}, opts.dtype(at::kFloat)),
           at::zeros({R}, opts.dtype(at::kLong)), at::Tensor()};
 }
 

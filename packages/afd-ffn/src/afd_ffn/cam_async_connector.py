@@ -23,17 +23,22 @@ class CAMAsyncFFNConnector(CAMAsyncHalf, FFNConnector):
         self._groups = self.config.num_attention_ranks // TP_SIZE
         self._stopped: set[int] = set()
         self._items = 0
+        self._templates: dict[int, torch.Tensor] = {}
 
     def _args(self) -> dict:
         return dict(moe_rank_id=self.topology.ffn_global_rank(self.local_rank), tp_size=TP_SIZE,
                     **self._op_args())
 
     def recv_ffn_work_item(self, stage_idx=0, max_num_tokens=None, *, layer_idx=None) -> WorkItem:
-        """``max_num_tokens``: the capacity in rows (default: every row one DP group can send
-        for one layer); a larger group arrives as several items."""
+        """``max_num_tokens``: the capacity in rows. The default is the most rows one local
+        expert can get from one DP group (each token picks an expert once), so no expert ever
+        overflows; a larger group arrives as several items."""
         shape = self.shape
-        cap = max_num_tokens or TP_SIZE * shape.max_num_tokens * min(shape.top_k, self._R)
-        like = torch.empty(cap, shape.hidden_size, dtype=shape.dtype, device=self.device)
+        cap = max_num_tokens or TP_SIZE * shape.max_num_tokens
+        like = self._templates.get(cap)
+        if like is None:  # the op reads only its dtype and row count: allocated once per size
+            like = self._templates[cap] = torch.empty(cap, shape.hidden_size, dtype=shape.dtype,
+                                                      device=self.device)
         while True:
             try:
                 x, scales, _, info = torch.ops.afd_ascend.afd_async_dispatch_recv(
