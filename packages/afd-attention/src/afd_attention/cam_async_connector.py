@@ -57,7 +57,7 @@ class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionHalf):
                               f"{call.stage}", "the FFN ranks") from None
 
     def close(self) -> None:
-        links, self._links = self._links, None
+        links = self._links
         if links is None:
             return
         links.io.closing = True
@@ -65,7 +65,6 @@ class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionHalf):
             if not self._inflight:
                 # A stop header per stream ends the FFN side's receive loop cleanly; the op
                 # waits (bounded) until the FFN ranks took it.
-                self._links = links
                 empty = torch.empty(0, self.shape.hidden_size, dtype=self.shape.dtype,
                                     device=self.device)
                 none = torch.empty(0, self.shape.top_k, dtype=torch.int32, device=self.device)

@@ -24,6 +24,10 @@ class CAMAsyncFFNConnector(CAMAsyncHalf, FFNConnector):
         self._stopped: set[int] = set()
         self._items = 0
         self._templates: dict[int, torch.Tensor] = {}
+        # This rank's global expert ids, once per DP group member (batch_info's count layout).
+        first = self.local_rank * self._R
+        self._member_experts = torch.arange(first, first + self._R,
+                                            dtype=torch.int32).repeat(TP_SIZE)
 
     def _args(self) -> dict:
         return dict(moe_rank_id=self.topology.ffn_global_rank(self.local_rank), tp_size=TP_SIZE,
@@ -60,9 +64,7 @@ class CAMAsyncFFNConnector(CAMAsyncHalf, FFNConnector):
         if self._quant:
             rows = (rows.to(torch.float32) * scales[:n, None]).to(shape.dtype)
         per_member = info[5 + TP_SIZE:].view(TP_SIZE, self._R)
-        first_expert = self.local_rank * self._R
-        experts = torch.arange(first_expert, first_expert + self._R, dtype=torch.int32)
-        ids = torch.repeat_interleave(experts.repeat(TP_SIZE), per_member.flatten())
+        ids = torch.repeat_interleave(self._member_experts, per_member.flatten())
         meta = WorkItemMeta(layer_idx=layer, stage=stage_idx, step=self._items,
                             sources=((source, n),))
         self._items += 1
