@@ -1,8 +1,13 @@
 """Handshake and authentication between spawned ranks: refusals name the field, both sides stop."""
 
+import multiprocessing as mp
+import queue
+import time
+import traceback
+
 import pytest
 
-from afd_common.selftest import Spec, run_world
+from afd_common.selftest import Spec, free_port, run_world
 
 pytestmark = pytest.mark.multiproc
 
@@ -46,3 +51,124 @@ def test_right_auth_token_works():
     spec = Spec(2, 1, steps=2, timeout_s=20, extra={"auth_token": "shared-secret"})
     results = run_world(spec, deadline_s=60)
     assert all(r.status == "ok" for r in results), errors(results)
+
+
+def _stalling_rank(role: str, spec: Spec, stall_s: float, tamper: bool, linger_s: float | None,
+                   q) -> None:
+    """One rank forming an ``AFDWorld`` directly, no connector. With ``stall_s`` it stops that long
+    after publishing its hello, before reading anything: a rank descheduled on a loaded machine.
+    With ``tamper`` its hello is altered on the way (after signing), which only its peers notice."""
+    from afd_common import world
+    from afd_common.codec import decode_json, encode_json
+    from afd_common.topology import Topology
+
+    hello_at = []
+
+    class HelloSeam:
+        def __init__(self, store):
+            self._store = store
+
+        def __getattr__(self, name):
+            return getattr(self._store, name)
+
+        def set(self, key, value):
+            if key.startswith("afd/hello/") and tamper:
+                hello = decode_json(value)
+                hello["fingerprint"]["num_ffn_ranks"] += 1
+                value = encode_json(hello)
+            self._store.set(key, value)
+            if key.startswith("afd/hello/"):
+                hello_at.append(time.monotonic())
+                time.sleep(stall_s)
+
+    class StallingRendezvous(world.Rendezvous):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.store = HelloSeam(self.store)
+
+    world.Rendezvous = StallingRendezvous
+    if linger_s is not None:
+        world.REFUSAL_LINGER_S = linger_s
+    config = spec.config(role)
+    topo = Topology(config.num_attention_ranks, config.num_ffn_ranks)
+    fingerprint = {"num_attention_ranks": config.num_attention_ranks,
+                   "num_ffn_ranks": config.num_ffn_ranks}
+    try:
+        world.AFDWorld(config, 0, topo.world_size, topo.global_rank, fingerprint,
+                       spec.timeout_s).close()
+        q.put((role, "ok", "", hello_at, time.monotonic()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        q.put((role, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", hello_at,
+               time.monotonic()))
+
+
+def run_stalled_pair(ffn_ranks: int, stall_s: float, tamper: bool = False,
+                     linger_s: float | None = None, extra: dict | None = None,
+                     deadline_s: float = 60.0) -> dict:
+    """The FFN rank 0 (of ``ffn_ranks``) and an attention rank that expects one FFN rank and
+    stalls after its hello. ``{role: (status, detail, hello_at, end)}``, stamped with
+    ``time.monotonic()``: one clock for every process on the machine."""
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_stalling_rank, daemon=True,
+                         args=(role, Spec(1, n, timeout_s=20, port=port, extra=extra or {}),
+                               stall, tamper and role == "attention", linger, q))
+             for role, n, stall, linger in (("ffn", ffn_ranks, 0, linger_s),
+                                            ("attention", 1, stall_s, None))]
+    for p in procs:
+        p.start()
+    got = {}
+    end = time.monotonic() + deadline_s
+    try:
+        while len(got) < 2 and time.monotonic() < end:
+            try:
+                role, *result = q.get(timeout=0.5)
+                got[role] = tuple(result)
+            except queue.Empty:
+                pass
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert set(got) == {"ffn", "attention"}, f"no result (hung or died): {got}"
+    return got
+
+
+def test_refusal_reaches_a_peer_slower_than_the_master():
+    # The FFN rank 0 refuses the attention rank's hello at once; the attention rank reads nothing
+    # for 2 s after saying hello. It must still find the store and name the field, not stop with
+    # "lost the rendezvous" (the race a loaded CI machine lost).
+    got = run_stalled_pair(ffn_ranks=2, stall_s=2.0)
+    status, detail, (hello_at,), done = got["attention"]
+    assert status == "error" and "AFDHandshakeError" in detail, detail
+    assert "'num_ffn_ranks' differs" in detail and "lost the rendezvous" not in detail, detail
+    status, detail, _, master_done = got["ffn"]
+    assert status == "error" and "'num_ffn_ranks' differs" in detail, detail
+    # The master kept the store until the slow rank had looked, and within its linger bound.
+    assert 2.0 <= master_done - hello_at < 5.0 + 2.0
+    assert done - hello_at < 2.0 + 5.0
+
+
+def test_peer_that_sees_nothing_wrong_stops_with_the_refusal():
+    # The attention rank's hello is altered after signing: only the FFN rank 0 can tell. The
+    # attention rank, which finds the FFN hello fine, must stop with the FFN rank's reason.
+    got = run_stalled_pair(ffn_ranks=1, stall_s=1.0, tamper=True,
+                           extra={"auth_token": "shared-secret"})
+    status, detail, _, _ = got["attention"]
+    assert status == "error" and "AFDHandshakeError" in detail, detail
+    assert "refused by FFN rank 0 (global 1): refusing attention rank 0 (global 0): " \
+           "authentication failed" in detail, detail
+    status, detail, _, _ = got["ffn"]
+    assert status == "error" and "authentication failed" in detail, detail
+
+
+def test_master_lingers_only_a_bounded_time_for_a_peer_that_never_reads():
+    got = run_stalled_pair(ffn_ranks=2, stall_s=4.0, linger_s=0.5)
+    _, _, (hello_at,), done = got["attention"]
+    status, detail, _, master_done = got["ffn"]
+    assert status == "error" and "'num_ffn_ranks' differs" in detail, detail
+    # Gone before the stalled rank even looked again: it did not wait for that acknowledgement.
+    assert master_done < hello_at + 4.0 <= done

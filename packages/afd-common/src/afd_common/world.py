@@ -4,7 +4,10 @@ Every connector goes through here, so the rules hold for all of them: the FFN ra
 rendezvous on the configured host; each rank claims its place (two processes claiming the same
 rank is an error, not a silent mix-up); every rank publishes a fingerprint and compares every
 other rank's with its own *before* any process group exists, so roles that do not belong together
-refuse each other with one error naming the field and both values.
+refuse each other with one error naming the field and both values. The first refusal is left in
+the store, so a rank that sees nothing wrong itself still stops with the reason, and the FFN rank 0
+keeps the store up (briefly) until the peers that said hello have seen it: a rank slower to compare
+must not find the store gone and stop without knowing why.
 
 With an ``auth_token`` every hello carries an HMAC over the master's fresh session nonce and the
 hello itself: a peer proves it holds the token without sending it, and a peer without it (or with
@@ -33,6 +36,11 @@ from afd_common.errors import (AFDError, AFDHandshakeError, AFDPeerError, AFDPro
 from afd_common.transport import PROGRESS_EVERY_S, Rendezvous, new_group
 
 logger = logging.getLogger("vllm.afd")
+
+REFUSAL_KEY = "afd/refusal"
+# The longest the FFN rank 0 waits for the peers that said hello to acknowledge a refusal before
+# it closes the store: a peer that never looks again must not hold it.
+REFUSAL_LINGER_S = 5.0
 
 
 def sign(token: str, session: bytes, hello: dict[str, Any]) -> str:
@@ -63,10 +71,11 @@ class AFDWorld:
         self._roles.update({global_rank_of("ffn", f): ("ffn", f)
                             for f in range(config.num_ffn_ranks)})
         self.what = f"AFD {config.role} rank {local_rank}"
-        is_master = self.rank == global_rank_of("ffn", 0)
-        self.rendezvous = Rendezvous(config.host, config.port, is_master, timeout_s, self.what)
+        self.is_master = self.rank == global_rank_of("ffn", 0)
+        self.rendezvous = Rendezvous(config.host, config.port, self.is_master, timeout_s,
+                                     self.what)
         try:
-            if is_master:
+            if self.is_master:
                 self.rendezvous.store.set("afd/nonce", secrets.token_hex(16))
             self._claim_rank()
             self._handshake(fingerprint)
@@ -112,30 +121,70 @@ class AFDWorld:
         # after waiting for ranks that a mismatched world size means will never come.
         unchecked = list(others)
         next_log = PROGRESS_EVERY_S
-        while unchecked:
-            present = [r for r in unchecked if store.check([f"afd/hello/{r}"])]
-            for r in present:
-                try:
-                    peer = decode_json(bytes(store.get(f"afd/hello/{r}")))
-                except AFDProtocolError as e:
-                    raise AFDHandshakeError(f"{self.what}: {self.describe(r)} sent a malformed "
-                                            f"hello: {e}") from None
-                self._authenticate(r, token, session, peer)
-                self._compare(r, hello, peer)
-                unchecked.remove(r)
-            if unchecked and not present:
-                waited = time.monotonic() - start
-                if waited > self.timeout_s:
-                    raise AFDTimeoutError(f"{self.what}: handshake: no hello from "
-                                          f"{', '.join(map(self.describe, unchecked))} after "
-                                          f"{self.timeout_s:.0f} s")
-                if waited >= next_log:
-                    logger.info("%s: waiting for %s (%.0f s)", self.what,
-                                ", ".join(map(self.describe, unchecked)), waited)
-                    next_log += PROGRESS_EVERY_S
-                time.sleep(0.05)
+        try:
+            while unchecked:
+                present = [r for r in unchecked if store.check([f"afd/hello/{r}"])]
+                for r in present:
+                    try:
+                        peer = decode_json(bytes(store.get(f"afd/hello/{r}")))
+                    except AFDProtocolError as e:
+                        raise AFDHandshakeError(f"{self.what}: {self.describe(r)} sent a "
+                                                f"malformed hello: {e}") from None
+                    self._authenticate(r, token, session, peer)
+                    self._compare(r, hello, peer)
+                    unchecked.remove(r)
+                # After this rank's own checks, which explain a mismatch from its side: a peer's
+                # refusal only stops it when it sees nothing wrong itself (or not yet).
+                if store.check([REFUSAL_KEY]):
+                    refusal = decode_json(bytes(store.get(REFUSAL_KEY)))
+                    raise AFDHandshakeError(f"{self.what}: refused by {refusal.get('by')}: "
+                                            f"{refusal.get('reason')}")
+                if unchecked and not present:
+                    waited = time.monotonic() - start
+                    if waited > self.timeout_s:
+                        raise AFDTimeoutError(f"{self.what}: handshake: no hello from "
+                                              f"{', '.join(map(self.describe, unchecked))} after "
+                                              f"{self.timeout_s:.0f} s")
+                    if waited >= next_log:
+                        logger.info("%s: waiting for %s (%.0f s)", self.what,
+                                    ", ".join(map(self.describe, unchecked)), waited)
+                        next_log += PROGRESS_EVERY_S
+                    time.sleep(0.05)
+        except AFDHandshakeError as e:
+            self._leave_refusal(str(e))
+            raise
         logger.info("%s: handshake with %d peers ok (%.1f s)", self.what, len(others),
                     time.monotonic() - start)
+
+    def _leave_refusal(self, message: str) -> None:
+        """Tell the peers why the handshake stopped before this rank's store connection goes.
+
+        Best effort: the refusal raised here matters more than the copy left for the others. The
+        first refusal stays, so a rank stopping because of a peer's refusal only acknowledges it.
+        """
+        store = self.rendezvous.store
+        try:
+            reason = encode_json({"by": self.describe(self.rank),
+                                  "reason": message.removeprefix(f"{self.what}: ")})
+            store.compare_set(REFUSAL_KEY, b"", reason)
+            store.set(f"afd/refusal_seen/{self.rank}", b"1")
+            if self.is_master:
+                self._linger(store)
+        except (RuntimeError, ValueError) as e:
+            logger.debug("%s: could not leave the refusal for the peers: %s", self.what, e)
+
+    def _linger(self, store: dist.Store) -> None:
+        """A peer that said hello may still be comparing: closing the store under it would leave
+        it a bare "lost the rendezvous". So wait for each one's acknowledgement, boundedly."""
+        end = time.monotonic() + REFUSAL_LINGER_S
+        others = [r for r in range(self.world_size) if r != self.rank]
+        while time.monotonic() < end:
+            if not any(store.check([f"afd/hello/{r}"])
+                       and not store.check([f"afd/refusal_seen/{r}"]) for r in others):
+                return
+            time.sleep(0.05)
+        logger.info("%s: closing the rendezvous; not every peer read the refusal within %.0f s",
+                    self.what, REFUSAL_LINGER_S)
 
     def _authenticate(self, r: int, token: str | None, session: bytes,
                       peer: dict[str, Any]) -> None:
