@@ -1,8 +1,12 @@
 """The FFN async runner: the receive loop is the clock -- each item's own layer is computed,
 zero-row items are acknowledged without computing, and a stop item ends the loop."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+
+from afd_common import metrics
 
 from afd_common.metadata import StepKind, WorkItem, WorkItemMeta
 from afd_ffn.async_runner import AsyncFFNRunner
@@ -11,6 +15,7 @@ from afd_ffn.async_runner import AsyncFFNRunner
 class FakeAsyncFFN:
     control_plane = None
     local_rank = 0
+    config = SimpleNamespace(connector="FakeAsyncConnector")
 
     def __init__(self, items):
         self.items = list(items)
@@ -49,6 +54,12 @@ def test_items_name_their_layer_and_stop_ends_the_loop():
     assert computed == [5, 3]  # the zero-row item is acknowledged without computing
     assert [(layer, out[0, 0].item()) for layer, out in conn.sent] == [(5, 50.0), (3, 30.0)]
     assert len(conn.items) == 1  # nothing read past the stop item
+    # What /metrics shows for this loop: one compute per computed item, a wait per receive.
+    snap = metrics.snapshot()
+    assert snap["labels"] == {"role": "ffn", "connector": "FakeAsyncConnector"}
+    assert snap["histograms"]["afd_ffn_compute_seconds"]["count"] == 2
+    assert snap["histograms"]["afd_wait_seconds"]["count"] == 4
+    assert snap["bytes"] == {"sent": 2 * 4 * 4 + 1 * 4 * 4, "received": 2 * 4 * 4 + 1 * 4 * 4}
 
 
 def test_refuses_a_sync_connector():

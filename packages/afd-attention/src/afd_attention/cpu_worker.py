@@ -6,6 +6,7 @@ import vllm.v1.worker.cpu_worker as cpu_worker_module
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from afd_common.metrics import MetricsWorkerMixin
 from afd_common.patching import PatchSet
 
 from afd_attention.runner import AFDAttentionRunnerMixin
@@ -15,7 +16,7 @@ class AFDAttentionCPUModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
     pass
 
 
-class AFDAttentionCPUWorker(CPUWorker):
+class AFDAttentionCPUWorker(MetricsWorkerMixin, CPUWorker):
     def init_device(self):
         # CPUWorker builds its runner by module-global name; swap it for the call only.
         with PatchSet("attention_cpu_runner").setattr(cpu_worker_module, "CPUModelRunner",

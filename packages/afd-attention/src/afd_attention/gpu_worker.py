@@ -9,6 +9,8 @@ from __future__ import annotations
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
+from afd_common.metrics import MetricsWorkerMixin
+
 from afd_attention.runner import AFDAttentionRunnerMixin
 
 
@@ -16,7 +18,7 @@ class AFDAttentionGPUModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
     pass
 
 
-class AFDAttentionGPUWorker(Worker):
+class AFDAttentionGPUWorker(MetricsWorkerMixin, Worker):
     def _make_model_runner(self):
         return AFDAttentionGPUModelRunner(self.vllm_config, self.device)
 

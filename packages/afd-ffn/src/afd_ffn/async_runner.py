@@ -29,11 +29,11 @@ class AsyncFFNRunner(ServingLoop):
     def run_step(self) -> bool:
         """Serve one work item. False once every attention DP group sent its stop item."""
         conn = self.connector
-        item = conn.recv_ffn_work_item(self.stage)
+        item = self._receive(self.stage)
         if item.meta.is_stop:
             logger.info("AFD FFN rank %d: every attention rank stopped after %d work items",
                         conn.local_rank, self.steps_done)
             return False
-        if item.num_tokens:
-            conn.send_ffn_output(self.compute(item, None), item)
+        if item.num_tokens:  # a work item without rows (an idle DP group's) needs no answer
+            self._answer(item, None)
         return self._served()

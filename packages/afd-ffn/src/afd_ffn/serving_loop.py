@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from afd_common import metrics
 from afd_common.contract import FFNConnector, StepPlan
 from afd_common.metadata import WorkItem
 
@@ -22,8 +23,29 @@ class ServingLoop(abc.ABC):
     def __init__(self, connector: FFNConnector, compute: ComputeFn):
         self.connector = connector
         self.compute = compute
+        self.metrics = metrics.recorder("ffn", connector.config.connector)
         self.steps_done = 0
         self.last_step_at: float | None = None
+
+    def _receive(self, stage: int, **kwargs) -> WorkItem:
+        start = time.perf_counter()
+        item = self.connector.recv_ffn_work_item(stage, **kwargs)
+        self.metrics.wait(time.perf_counter() - start)
+        return item
+
+    def _answer(self, item: WorkItem, plan: StepPlan | None) -> None:
+        """Experts for the item's rows, then the result back (an empty item gets an empty one:
+        the attention side waits for every stage it sent, even one without rows)."""
+        rec = self.metrics
+        if item.num_tokens:
+            start = time.perf_counter()
+            out = self.compute(item, plan)
+            rec.ffn_compute(time.perf_counter() - start)
+        else:
+            out = item.hidden_states.new_empty(0, item.hidden_states.shape[1])
+        self.connector.send_ffn_output(out, item)
+        rec.moved(sent=metrics.nbytes(out), received=metrics.nbytes(
+            item.hidden_states, item.topk_ids, item.topk_weights))
 
     @abc.abstractmethod
     def run_step(self) -> bool:

@@ -34,8 +34,5 @@ class SyncFFNRunner(ServingLoop):
             return False
         for layer in self.moe_layers:
             for stage in range(plan.num_stages):
-                item = conn.recv_ffn_work_item(stage, layer_idx=layer)
-                if item.num_tokens == 0:
-                    continue  # nothing came in, nothing goes back
-                conn.send_ffn_output(self.compute(item, plan), item)
+                self._answer(self._receive(stage, layer_idx=layer), plan)
         return self._served()

@@ -6,10 +6,12 @@ The FFN role has no KV cache and runs no model forward of its own: warm-up, dumm
 
 from __future__ import annotations
 
+from afd_common.metrics import MetricsWorkerMixin
+
 from afd_ffn.runner import AFDFFNRunnerMixin
 
 
-class AFDFFNWorkerMixin:
+class AFDFFNWorkerMixin(MetricsWorkerMixin):
     def compile_or_warm_up_model(self):
         from vllm.v1.worker.worker_base import CompilationTimes
 

@@ -1,4 +1,5 @@
-"""The FFN role's HTTP front end: a clear refusal for generation requests, an honest /health.
+"""The roles' HTTP front ends: the AFD series on ``/metrics``; for the FFN role a clear refusal
+of generation requests and an honest ``/health``.
 
 vLLM's own ``/health`` asks only whether the engine process is alive; the FFN role is healthy
 when its FFN loop is, so ``/health`` asks every worker (``afd_ffn_status``). Installed by wrapping
@@ -54,6 +55,57 @@ def add_ffn_guard(app) -> None:
     app.middleware("http")(afd_ffn_guard)
 
 
+async def _worker_snapshots(engine_client) -> list:
+    """Every worker of every engine: with DP each engine core has its own workers, and vLLM's
+    ``collective_rpc`` asks only the first engine."""
+    core = getattr(engine_client, "engine_core", None)
+    if hasattr(core, "call_utility_all_async"):
+        per_engine = await core.call_utility_all_async("collective_rpc", "afd_metrics", 10, (),
+                                                       None)
+        return [s for snaps in per_engine for s in snaps]
+    return await engine_client.collective_rpc("afd_metrics", timeout=10)
+
+
+def add_metrics(app) -> None:
+    """The AFD series join vLLM's ``/metrics`` response.
+
+    They are recorded in the workers (afd_common.metrics), so each scrape first asks them for a
+    snapshot. They are appended to the response rather than registered with a registry: with
+    several API servers vLLM renders a fresh multi-process registry per scrape, which no
+    collector of ours can join.
+    """
+    from starlette.responses import Response
+
+    from afd_common.metrics import render
+
+    async def afd_metrics(request, call_next):
+        if not request.url.path.startswith("/metrics"):
+            return await call_next(request)
+        try:
+            snaps = [s for s in await _worker_snapshots(request.app.state.engine_client) if s]
+        except Exception as e:  # noqa: BLE001 - serve vLLM's metrics anyway, say why ours lag
+            logger.warning("AFD metrics: could not fetch the workers' series: %r", e)
+            snaps = []
+        # An uncompressed body, so the series can be appended to it.
+        request.scope["headers"] = [(k, v) for k, v in request.scope["headers"]
+                                    if k != b"accept-encoding"]
+        response = await call_next(request)
+        if not snaps or response.status_code != 200:
+            return response
+        body = b"".join([chunk async for chunk in response.body_iterator])
+        content_type = response.headers.get("content-type", "")
+        openmetrics = content_type.startswith("application/openmetrics-text")
+        ours = render(snaps, openmetrics)
+        if openmetrics and body.endswith(b"# EOF\n"):
+            body = body[:-len(b"# EOF\n")] + ours + b"# EOF\n"
+        else:
+            body += ours
+        headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+        return Response(body, status_code=200, headers=headers)
+
+    app.middleware("http")(afd_metrics)
+
+
 def build() -> PatchSet | None:
     # Only the API server process has imported the app module by the time plugins load.
     app_module = sys.modules.get("vllm.entrypoints.launchers.app")
@@ -64,8 +116,11 @@ def build() -> PatchSet | None:
     def init_entrypoints_middleware(args, app, *rest, **kwargs):
         original(args, app, *rest, **kwargs)
         section = _afd_section(args)
-        if section is not None and parse_afd_config(section).is_ffn:
+        if section is None:
+            return
+        if parse_afd_config(section).is_ffn:
             add_ffn_guard(app)
+        add_metrics(app)
 
     return PatchSet("api_server").setattr(app_module, "init_entrypoints_middleware",
                                           init_entrypoints_middleware)
