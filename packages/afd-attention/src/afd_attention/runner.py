@@ -6,15 +6,23 @@ two platforms share every line of AFD logic.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import time
+
+import torch
+from vllm import forward_context as vllm_forward_context
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import get_forward_context
+from vllm.v1.worker.ubatch_utils import UBatchSlice
 
 from afd_common.config import afd_config_from_vllm
-from afd_common.errors import AFDConfigError
 from afd_common import lifecycle
 from afd_common.registry import resolve_connector
 from afd_common.vllm_model import layer_index, model_shape, weight_summary
 
+from afd_attention.micro_batches import MicroBatchPipeline, split_on_requests
 from afd_attention.patches import async_dp_enabled, async_dp_forward_context
 from afd_attention.patches import remote_moe as remote_moe_patch
 from afd_attention.session import AttentionSession
@@ -25,6 +33,9 @@ logger = logging.getLogger("vllm.afd")
 class AFDAttentionRunnerMixin:
     afd_session: AttentionSession | None = None
     _afd_patches = None
+    _afd_pipeline: MicroBatchPipeline | None = None
+    _afd_may_split = False
+    _afd_split = None
 
     def load_model(self, *args, **kwargs):
         with remote_moe_patch.build().applied():
@@ -37,11 +48,6 @@ class AFDAttentionRunnerMixin:
         from afd_attention.remote_moe import AFDAttentionMoERunner
 
         config = afd_config_from_vllm(self.vllm_config)
-        if config.extra.num_micro_batches != 1:
-            raise AFDConfigError("connector_extra_config.num_micro_batches",
-                                 config.extra.num_micro_batches,
-                                 "micro-batching inside vLLM steps is not available in this "
-                                 "version; use 1")
         runners = {layer_index(m.layer_name): m for m in self.model.modules()
                    if isinstance(m, AFDAttentionMoERunner)}
         shape = model_shape(self.vllm_config, runners)
@@ -67,7 +73,107 @@ class AFDAttentionRunnerMixin:
 
         connector.watch_peers(on_lost)
         session.activate()
-        logger.info("AFD attention rank %d: connected", rank)
+        if config.extra.num_micro_batches > 1:
+            self._afd_pipeline = MicroBatchPipeline(config.extra.num_micro_batches)
+            self._afd_splits_seen: set[int] = set()
+        logger.info("AFD attention rank %d: connected (%d micro-batch%s per step)", rank,
+                    config.extra.num_micro_batches,
+                    "" if config.extra.num_micro_batches == 1 else "es")
+
+    # Micro-batching: execute_model marks the window in which a step may be split; the attention
+    # metadata is then built per micro-batch (vLLM's own per-ubatch path), and the forward runs
+    # each micro-batch with its own forward context (afd_attention.micro_batches).
+
+    def initialize_metadata_builders(self, kv_cache_config, kernel_block_sizes) -> None:
+        super().initialize_metadata_builders(kv_cache_config, kernel_block_sizes)
+        if self._afd_pipeline is None:
+            return
+        # Builders keep per-batch buffers: one per micro-batch, as vLLM keeps one per ubatch.
+        for gid in range(len(kv_cache_config.kv_cache_groups)):
+            for group in self.attn_groups[gid]:
+                group.create_metadata_builders(
+                    self.vllm_config, self.device,
+                    kernel_block_sizes[gid] if gid < len(kernel_block_sizes) else None,
+                    num_metadata_builders=self.afd_session.num_stages)
+
+    def execute_model(self, *args, **kwargs):
+        self._afd_may_split = (self._afd_pipeline is not None and not self.is_pooling_model
+                               and self.speculative_config is None
+                               and not self.use_aux_hidden_state_outputs
+                               and getattr(self, "lookback_token_ids", None) is None)
+        try:
+            return super().execute_model(*args, **kwargs)
+        finally:
+            self._afd_may_split = False
+            self._afd_split = None
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        if (self._afd_may_split and kwargs.get("ubatch_slices") is None
+                and not kwargs.get("for_cudagraph_capture")):
+            num_reqs = kwargs["num_reqs"]
+            parts = split_on_requests(self.query_start_loc.np[:num_reqs + 1],
+                                      self.afd_session.num_stages)
+            if len(parts) > 1:
+                self._afd_split = [UBatchSlice(r, t) for r, t in parts]
+                kwargs["ubatch_slices"] = self._afd_split
+                if len(parts) not in self._afd_splits_seen:
+                    self._afd_splits_seen.add(len(parts))
+                    logger.info("AFD attention: first step split into %d micro-batches (%s "
+                                "tokens)", len(parts), [t.stop - t.start for _, t in parts])
+        return super()._build_attention_metadata(*args, **kwargs)
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
+                       inputs_embeds=None, **model_kwargs):
+        session = self.afd_session
+        split, self._afd_split = self._afd_split, None
+        start = time.perf_counter()
+        try:
+            if split is None:
+                session.stage_started(0)
+                return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                              inputs_embeds, **model_kwargs)
+            return self._afd_split_forward(split, input_ids, positions, intermediate_tensors,
+                                           inputs_embeds, model_kwargs)
+        finally:
+            session.metrics.step(time.perf_counter() - start)
+
+    def _afd_split_forward(self, split, input_ids, positions, intermediate_tensors,
+                           inputs_embeds, model_kwargs):
+        if intermediate_tensors is not None or model_kwargs:
+            raise RuntimeError("AFD micro-batching got pipeline-parallel or extra model inputs "
+                               f"({sorted(model_kwargs)}); use num_micro_batches 1")
+        session = self.afd_session
+        whole = get_forward_context()
+        rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        cuts = [s.token_slice for s in split]
+        cuts[-1] = slice(cuts[-1].start, rows)  # padding rows, if any, ride with the last
+        contexts = [dataclasses.replace(
+            whole, attn_metadata=whole.attn_metadata[i],
+            slot_mapping={k: v[cut] for k, v in whole.slot_mapping.items()},
+            is_padding=None if whole.is_padding is None else whole.is_padding[cut],
+            # Graphs are captured for whole batches; a micro-batch runs eagerly (CUDA only).
+            cudagraph_runtime_mode=CUDAGraphMode.NONE, batch_descriptor=None)
+            for i, cut in enumerate(cuts)]
+        session.plan(tuple(c.stop - c.start for c in cuts)
+                     + (0,) * (session.num_stages - len(cuts)))
+        forward = super()._model_forward
+
+        def stage(i: int, cut: slice):
+            def run():
+                session.stage_started(i)
+                return forward(None if input_ids is None else input_ids[cut],
+                               positions[..., cut], None,
+                               None if inputs_embeds is None else inputs_embeds[cut])
+            return run
+
+        def resume(i: int) -> None:
+            vllm_forward_context._forward_context = contexts[i]
+
+        try:
+            outs = self._afd_pipeline.run([stage(i, c) for i, c in enumerate(cuts)], resume)
+        finally:
+            vllm_forward_context._forward_context = whole
+        return torch.cat(outs)
 
     def afd_close(self) -> None:
         if self._afd_patches is not None:
