@@ -43,6 +43,11 @@ DEFAULT_SHAPE: dict[str, int] = {
     "top_k": 2,
     "moe_intermediate_size": 64,
     "vocab_size": 512,
+    # Attention width: small by default; a benchmark wants attention of real weight
+    # (heads x head_dim ~ hidden_size). DeepSeek's MLA takes only the head count.
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
 }
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -59,8 +64,7 @@ STDS: dict[str, float] = {
     "bias": 0.05,  # DeepSeek-V3 e_score_correction_bias, big enough to move some top-k picks
 }
 # DeepSeek MLA: vLLM's CPU MLA backend only takes head size kv_lora_rank + qk_rope_head_dim = 576.
-MLA_HEADS, KV_LORA_RANK, QK_ROPE, QK_NOPE, V_HEAD, V3_Q_LORA_RANK = 4, 512, 64, 32, 32, 64
-QWEN_HEADS, QWEN_KV_HEADS, QWEN_HEAD_DIM = 4, 2, 32
+KV_LORA_RANK, QK_ROPE, QK_NOPE, V_HEAD, V3_Q_LORA_RANK = 512, 64, 32, 32, 64
 
 # Written for this module; its only job is to give BPE a few hundred useful merges.
 CORPUS = """\
@@ -147,7 +151,8 @@ def _deepseek_config(arch: str, shape: dict[str, int], vocab: int, bos: int, eos
         "rope_theta": cfg["rope_theta"],
     }
     cfg.update(
-        num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS, kv_lora_rank=KV_LORA_RANK,
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_attention_heads"], kv_lora_rank=KV_LORA_RANK,
         qk_rope_head_dim=QK_ROPE, qk_nope_head_dim=QK_NOPE, v_head_dim=V_HEAD,
         n_routed_experts=shape["num_experts"], n_shared_experts=1, routed_scaling_factor=2.5,
         first_k_dense_replace=1, moe_layer_freq=1,
@@ -170,7 +175,8 @@ def _deepseek_config(arch: str, shape: dict[str, int], vocab: int, bos: int, eos
 def _qwen3_moe_config(arch: str, shape: dict[str, int], vocab: int, bos: int, eos: int) -> dict:
     cfg = _common_config(arch, shape, vocab, bos, eos)
     cfg.update(
-        num_attention_heads=QWEN_HEADS, num_key_value_heads=QWEN_KV_HEADS, head_dim=QWEN_HEAD_DIM,
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"],
         num_experts=shape["num_experts"], norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=[], use_sliding_window=False, sliding_window=None,
         router_aux_loss_coef=0.001, output_router_logits=False,
@@ -313,6 +319,12 @@ def write_tiny_model(arch: str, out_dir: str | Path, *, seed: int = 0,
         raise ValueError(f"top_k must be in [1, num_experts], got {shape['top_k']}")
     if shape["vocab_size"] < 320:
         raise ValueError("vocab_size must be >= 320 (256 byte tokens, specials and some merges)")
+    if shape["num_attention_heads"] % shape["num_key_value_heads"]:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    if arch.startswith("deepseek") and any(shape[k] != DEFAULT_SHAPE[k]
+                                           for k in ("num_key_value_heads", "head_dim")):
+        raise ValueError("DeepSeek's MLA has fixed head sizes (vLLM's CPU MLA backend): only "
+                         "num_attention_heads can change")
     if arch.startswith("deepseek") and shape["num_layers"] < 2:
         raise ValueError("DeepSeek needs num_layers >= 2: layer 0 is dense, the rest are MoE")
     experts_seed = seed if experts_seed is None else experts_seed
