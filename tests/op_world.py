@@ -22,6 +22,15 @@ from afd_common.transport import new_group, register_named_group
 GROUP = "afd-test-ops"
 
 
+def join_or_kill(procs, timeout_s: float = 5) -> None:
+    """Reap spawned ranks: whatever has not ended within ``timeout_s`` is killed."""
+    for p in procs:
+        p.join(timeout=timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def _entry(fn, rank, size, port, timeout_s, args, q):
     torch.set_num_threads(1)
     try:
@@ -63,10 +72,7 @@ def run_op_world(fn, world_size: int, *args, timeout_s: float = 10.0, deadline_s
                         results[rank] = (status, value)
                     break
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+        join_or_kill(procs)
     errors = [f"rank {r}: {v}" for r, (s, v) in sorted(results.items()) if s != "ok"]
     missing = [r for r in range(world_size) if r not in results]
     assert not errors and not missing, "\n".join(errors + [f"rank {r}: no result (hung or died)"

@@ -8,6 +8,7 @@ import traceback
 import pytest
 
 from afd_common.selftest import Spec, free_port, run_world
+from op_world import join_or_kill
 
 pytestmark = pytest.mark.multiproc
 
@@ -128,11 +129,7 @@ def run_stalled_pair(ffn_ranks: int, stall_s: float, tamper: bool = False,
             except queue.Empty:
                 pass
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        join_or_kill(procs)
     assert set(got) == {"ffn", "attention"}, f"no result (hung or died): {got}"
     return got
 
