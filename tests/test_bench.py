@@ -1,0 +1,214 @@
+"""afd-bench without servers: the Prometheus reader, the statistics, bench.json and the chart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from afd_common.bench import prom, report, stats
+from afd_common.bench.cli import parse_args, parse_cores
+from afd_common.bench.load import make_prompts
+from afd_common.bench.stats import RequestTiming
+
+EXPOSITION = """\
+# HELP afd_wait_seconds Time blocked waiting for a result.
+# TYPE afd_wait_seconds histogram
+afd_wait_seconds_bucket{connector="P2pAFDConnector",le="0.001",role="attention"} 2.0
+afd_wait_seconds_bucket{connector="P2pAFDConnector",le="+Inf",role="attention"} 4.0
+afd_wait_seconds_sum{connector="P2pAFDConnector",role="attention"} 0.004
+afd_wait_seconds_count{connector="P2pAFDConnector",role="attention"} 4.0
+afd_wait_seconds_sum{connector="P2pAFDConnector",pid="11",role="ffn"} 0.5
+afd_wait_seconds_sum{connector="P2pAFDConnector",pid="12",role="ffn"} 0.25
+afd_wait_seconds_count{connector="P2pAFDConnector",pid="11",role="ffn"} 10
+afd_wait_seconds_count{connector="P2pAFDConnector",pid="12",role="ffn"} 5
+afd_bytes_total{connector="P2pAFDConnector",direction="sent",role="attention"} 1.5e+03 1712345678
+weird_label{path="a\\"b}c",other="x\\\\y"} 7
+no_labels 3
+not a sample line at all
+broken{oops} 1
+nan_metric{role="x"} NaN
+"""
+
+
+def test_parse_reads_names_labels_values_and_skips_junk():
+    samples = prom.parse(EXPOSITION)
+    names = [s.name for s in samples]
+    assert "broken" not in names and "not" not in names
+    weird = next(s for s in samples if s.name == "weird_label")
+    assert weird.labels == {"path": 'a"b}c', "other": "x\\y"} and weird.value == 7
+    assert next(s for s in samples if s.name == "no_labels").labels == {}
+    inf = [s for s in samples if s.labels.get("le") == "+Inf"]
+    assert inf[0].value == 4.0
+    # a trailing timestamp is not the value
+    assert prom.total(samples, "afd_bytes_total", direction="sent") == 1500.0
+
+
+def test_total_sums_matching_samples_over_processes():
+    samples = prom.parse(EXPOSITION)
+    assert prom.total(samples, "afd_wait_seconds_sum", role="ffn") == pytest.approx(0.75)
+    assert prom.total(samples, "afd_wait_seconds_count", role="ffn") == 15
+    assert prom.total(samples, "afd_wait_seconds_count") == 19  # every role
+    assert prom.total(samples, "afd_wait_seconds_count", role="nobody") is None
+    assert prom.total(samples, "missing_metric") is None
+    assert prom.total(samples, "nan_metric") is None
+
+
+def test_histogram_mean_from_deltas():
+    before = prom.parse(EXPOSITION)
+    after_text = EXPOSITION.replace('role="attention"} 0.004', 'role="attention"} 0.010') \
+        .replace('afd_wait_seconds_count{connector="P2pAFDConnector",role="attention"} 4.0',
+                 'afd_wait_seconds_count{connector="P2pAFDConnector",role="attention"} 7.0')
+    after = prom.parse(after_text)
+    assert prom.mean_ms(before, after, "afd_wait_seconds", role="attention") == \
+        pytest.approx(2.0)  # 6 ms over 3 observations
+    assert prom.mean_ms(before, before, "afd_wait_seconds", role="attention") is None  # no count
+    assert prom.mean_ms(before, after, "afd_missing_seconds", role="attention") is None
+    # a series that appears between the scrapes counts from zero
+    assert prom.delta([], after, "afd_wait_seconds_count", role="ffn") == 15
+
+
+def test_percentile_interpolates_and_handles_empty():
+    assert stats.percentile([], 50) is None
+    assert stats.percentile([5.0], 99) == 5.0
+    assert stats.percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    assert stats.percentile([4, 1, 3, 2], 0) == 1 and stats.percentile([4, 1, 3, 2], 100) == 4
+    assert stats.percentile(list(range(101)), 99) == pytest.approx(99)
+
+
+def test_request_timing_and_summary():
+    # 4 tokens: arrivals at 1.0 (1 token), 1.1 (1), 1.3 (2 tokens in one chunk)
+    a = RequestTiming(t_send=0.5, t_end=1.35, arrivals=[(1.0, 1), (1.1, 1), (1.3, 2)])
+    assert a.tokens == 4 and a.ttft_s == pytest.approx(0.5)
+    assert a.tpot_s == pytest.approx(0.3 / 3)
+    assert a.gaps_s() == pytest.approx([0.1, 0.1, 0.1])
+    b = RequestTiming(t_send=0.5, t_end=2.0, arrivals=[(1.0, 1), (2.0, 1)])
+    assert b.tpot_s == pytest.approx(1.0)
+    assert RequestTiming(0, 1, [(0.5, 1)]).tpot_s is None
+    s = stats.summarize([(2.0, [a, b])])
+    assert s["tokens_per_s"] == pytest.approx(3.0) and s["output_tokens"] == 6
+    assert s["tpot_p50_ms"] == pytest.approx((100 + 1000) / 2)
+    assert s["tpot_p99_ms"] == pytest.approx(100 + 900 * 0.99)
+    two = stats.summarize([(2.0, [a]), (1.0, [b])])
+    assert two["tokens_per_s"] == pytest.approx(6 / 3.0) and two["requests"] == 2
+
+
+def test_faster_ratio_and_eta():
+    results = {"colocated_t1": {"tokens_per_s": 50.0}, "colocated_t2": {"tokens_per_s": 80.0},
+               "broken": {"tokens_per_s": None}}
+    assert stats.faster(results)[0] == "colocated_t2"
+    assert stats.faster({"x": {"tokens_per_s": None}}) is None
+    assert stats.ratio(40.0, 80.0) == 0.5
+    assert stats.ratio(None, 80.0) is None and stats.ratio(40.0, None) is None
+    assert stats.eta(2, 8, 1.0, 1.5, 30.0) == pytest.approx(2 * 8 * 1.5 / 30)
+    assert stats.eta(1, 8, None, 1.5, 30.0) is None and stats.eta(1, 8, 1, 1, 0) is None
+
+
+def test_moe_layer_count():
+    qwen = {"model_type": "qwen3_moe", "num_hidden_layers": 8, "num_experts": 16,
+            "mlp_only_layers": [0, 5], "decoder_sparse_step": 1}
+    assert stats.moe_layer_count(qwen) == 6
+    assert stats.moe_layer_count({**qwen, "mlp_only_layers": [], "decoder_sparse_step": 2}) == 4
+    ds = {"model_type": "deepseek_v2", "num_hidden_layers": 8, "n_routed_experts": 16,
+          "first_k_dense_replace": 1, "moe_layer_freq": 1}
+    assert stats.moe_layer_count(ds) == 7
+    with pytest.raises(ValueError):
+        stats.moe_layer_count({"model_type": "llama", "num_hidden_layers": 2})
+
+
+def _scrape(values: dict[str, float]) -> list[prom.Sample]:
+    out = []
+    for key, value in values.items():
+        name, _, rest = key.partition("|")
+        labels = dict(kv.split("=") for kv in rest.split(",")) if rest else {}
+        out.append(prom.Sample(name, value, {"connector": "P2pAFDConnector", **labels}))
+    return out
+
+
+def test_afd_breakdown_from_scrapes_and_missing_series():
+    att_before = _scrape({"afd_step_seconds_count|role=attention": 10,
+                          "afd_step_seconds_sum|role=attention": 1.0})
+    att_after = _scrape({
+        "afd_step_seconds_count|role=attention": 20, "afd_step_seconds_sum|role=attention": 1.5,
+        "afd_attention_compute_seconds_count|role=attention": 160,
+        "afd_attention_compute_seconds_sum|role=attention": 0.16,
+        "afd_wait_seconds_count|role=attention": 160, "afd_wait_seconds_sum|role=attention": 0.32,
+        "afd_layer_roundtrip_seconds_count|role=attention": 160,
+        "afd_layer_roundtrip_seconds_sum|role=attention": 0.4,
+        "afd_bytes_total|role=attention,direction=sent": 1000,
+        "afd_bytes_total|role=attention,direction=received": 3000})
+    ffn_after = _scrape({"afd_ffn_compute_seconds_count|role=ffn": 160,
+                         "afd_ffn_compute_seconds_sum|role=ffn": 0.24,
+                         "afd_wait_seconds_count|role=ffn": 160,
+                         "afd_wait_seconds_sum|role=ffn": 0.08})
+    out, missing = stats.afd_breakdown({"attention": (att_before, att_after),
+                                        "ffn": ([], ffn_after)}, m=2, moe_layers=8)
+    assert missing == []
+    assert out["t_step_ms"] == pytest.approx(50.0) and out["steps"] == 10
+    assert out["t_a_ms"] == pytest.approx(1.0) and out["t_c_ms"] == pytest.approx(2.0)
+    assert out["roundtrip_ms"] == pytest.approx(2.5)
+    assert out["t_e_ms"] == pytest.approx(1.5) and out["ffn_wait_ms"] == pytest.approx(0.5)
+    assert out["bytes_per_step"] == pytest.approx(400.0)
+    assert out["eta"] == pytest.approx(2 * 8 * 1.5 / 50.0)
+
+    none, missing = stats.afd_breakdown({"attention": ([], []), "ffn": ([], [])}, 1, 8)
+    assert all(none[k] is None for k in stats.AFD_KEYS) and len(missing) == 8
+
+
+def _fake_results() -> dict:
+    ok = {"status": "ok", "tokens_per_s": 100.0, "tpot_p50_ms": 40.0, "tpot_p99_ms": 45.0}
+    return {
+        "colocated": {**ok, "source": "colocated_t2", "ratio_vs_colocated": 1.0},
+        "colocated_t1": {**ok, "tokens_per_s": 70.0, "ratio_vs_colocated": 0.7},
+        "colocated_t2": {**ok, "ratio_vs_colocated": 1.0},
+        "afd_m1": {**ok, "tokens_per_s": 90.0, "ratio_vs_colocated": 0.9, "t_a_ms": 1.0,
+                   "t_e_ms": 1.2, "t_c_ms": 1.5, "eta": 0.6},
+        "afd_m2": report.empty_result("failed", error="afd_m2 failed: boom"),
+        "afd_m3": {**ok, "tokens_per_s": 95.0, "ratio_vs_colocated": 0.95},  # no metrics
+    }
+
+
+def test_bench_json_schema(tmp_path):
+    path = report.write_json(tmp_path / "o" / "bench.json", {"model": {"arch": "qwen3_moe"}},
+                             _fake_results())
+    doc = json.loads(path.read_text())
+    assert {"setup", "colocated", "colocated_t1", "colocated_t2", "afd_m1", "afd_m2",
+            "afd_m3"} <= set(doc)
+    required = {"tokens_per_s", "tpot_p50_ms", "tpot_p99_ms", "t_a_ms", "t_e_ms", "t_c_ms",
+                "eta", "ratio_vs_colocated"}
+    for key in ("colocated", "colocated_t1", "colocated_t2", "afd_m1", "afd_m2", "afd_m3"):
+        assert required <= set(doc[key]), key
+    assert doc["afd_m3"]["t_a_ms"] is None and doc["afd_m2"]["status"] == "failed"
+    assert doc["colocated"]["source"] == "colocated_t2"
+
+
+def test_table_lists_configs_and_marks_failures():
+    text = report.table(_fake_results())
+    assert "colocated (= colocated_t2)" in text and "afd_m2 FAILED" in text
+    assert "0.90" in text and "tok/s" in text
+
+
+def test_chart_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = report.write_chart(tmp_path / "bench.png", _fake_results(), "fake")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_cli_defaults_and_validation():
+    quick = parse_args(["--quick", "--micro-batches", "2,1,2"])
+    assert (quick.concurrency, quick.output_len, quick.repeats) == (8, 32, 1)
+    assert quick.mb_list == [1, 2] and quick.core_list == [0, 1]
+    full = parse_args(["--concurrency", "3"])
+    assert (full.concurrency, full.output_len) == (3, 64) and full.mb_list == [1, 2, 3]
+    assert parse_cores("2-3") == [2, 3] and parse_cores("0,5") == [0, 5]
+    for bad in (["--cores", "0"], ["--cores", "1,1"], ["--micro-batches", "0"],
+                ["--output-len", "600"], ["--micro-batches", "x"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_prompts_are_fixed_and_in_range():
+    a = make_prompts(4, 16, 300, seed=1)
+    assert a == make_prompts(4, 16, 300, seed=1) != make_prompts(4, 16, 300, seed=2)
+    assert all(len(p) == 16 and all(16 <= t < 300 for t in p) for p in a)
