@@ -7,8 +7,6 @@ import pytest
 from afd_common import metrics
 from afd_common.metrics import BUCKETS, Recorder
 
-pytest.importorskip("prometheus_client")
-
 
 def render(*snaps) -> dict[str, float]:
     text = metrics.render(list(snaps)).decode()
