@@ -2,7 +2,8 @@
 of generation requests and an honest ``/health``.
 
 vLLM's own ``/health`` asks only whether the engine process is alive; the FFN role is healthy
-when its FFN loop is, so ``/health`` asks every worker (``afd_ffn_status``). Installed by wrapping
+when its FFN loop is, so ``/health`` asks every worker of every engine
+(``afd_ffn_status``). Installed by wrapping
 ``init_entrypoints_middleware``, which ``build_app`` looks up at call time.
 """
 
@@ -39,8 +40,7 @@ def add_ffn_guard(app) -> None:
         path = request.url.path
         if path == "/health":
             try:
-                states = await request.app.state.engine_client.collective_rpc(
-                    "afd_ffn_status", timeout=10)
+                states = await ask_workers(request.app.state.engine_client, "afd_ffn_status")
             except Exception as e:  # noqa: BLE001 - any failure means not healthy
                 return JSONResponse({"afd_role": "ffn", "healthy": False, "error": repr(e)},
                                     status_code=503)
@@ -55,15 +55,14 @@ def add_ffn_guard(app) -> None:
     app.middleware("http")(afd_ffn_guard)
 
 
-async def _worker_snapshots(engine_client) -> list:
-    """Every worker of every engine: with DP each engine core has its own workers, and vLLM's
-    ``collective_rpc`` asks only the first engine."""
+async def ask_workers(engine_client, method: str) -> list:
+    """``method`` on every worker of every engine: with DP each engine core has its own
+    workers, and vLLM's ``collective_rpc`` asks only the first engine."""
     core = getattr(engine_client, "engine_core", None)
     if hasattr(core, "call_utility_all_async"):
-        per_engine = await core.call_utility_all_async("collective_rpc", "afd_metrics", 10, (),
-                                                       None)
-        return [s for snaps in per_engine for s in snaps]
-    return await engine_client.collective_rpc("afd_metrics", timeout=10)
+        per_engine = await core.call_utility_all_async("collective_rpc", method, 10, (), None)
+        return [r for results in per_engine for r in results]
+    return await engine_client.collective_rpc(method, timeout=10)
 
 
 def add_metrics(app) -> None:
@@ -82,7 +81,8 @@ def add_metrics(app) -> None:
         if not request.url.path.startswith("/metrics"):
             return await call_next(request)
         try:
-            snaps = [s for s in await _worker_snapshots(request.app.state.engine_client) if s]
+            snaps = await ask_workers(request.app.state.engine_client, "afd_metrics")
+            snaps = [s for s in snaps if s]
         except Exception as e:  # noqa: BLE001 - serve vLLM's metrics anyway, say why ours lag
             logger.warning("AFD metrics: could not fetch the workers' series: %r", e)
             snaps = []
