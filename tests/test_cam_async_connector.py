@@ -26,8 +26,23 @@ def assert_all_ok(results, spec):
 @pytest.mark.parametrize("A,F", TOPOLOGIES, ids=[f"{a}A{f}F" for a, f in TOPOLOGIES])
 def test_topologies_exact(A, F):
     spec = Spec(A, F, connector="CAMAsyncAFDConnector", steps=4, num_layers=4, stages=1,
-                gate_on_attention=True, timeout_s=30)
+                gate_on_attention=True, sharded=F > 1, timeout_s=30)
     assert_all_ok(run_world(spec), spec)
+
+
+def test_refuses_replicated_or_round_robin_experts_over_several_ranks():
+    """CAMAsync addresses expert e on FFN rank e // R: a placement that differs is refused."""
+    from afd_common.placement import ExpertPlacement
+
+    cfg = parse_afd_config({"role": "ffn", "connector": "CAMAsyncAFDConnector", "port": 1,
+                            "num_ffn_ranks": 2, "compute_gate_on_attention": True})
+    for placement, field in ((ExpertPlacement("replicated", 8, 2), "enable_expert_parallel"),
+                             (ExpertPlacement("sharded", 8, 2, "round_robin"),
+                              "expert_placement_strategy")):
+        shape = ModelShape(hidden_size=16, dtype=torch.float32, num_layers=1, moe_layers=(0,),
+                           num_experts=8, top_k=2, placement=placement)
+        with pytest.raises(ValueError, match=field):
+            resolve_connector("CAMAsyncAFDConnector", "ffn")(cfg, 0, shape)
 
 
 def test_bf16():

@@ -10,9 +10,10 @@ from afd_common.patching import PatchSet
 def builders():
     importlib.import_module("vllm.entrypoints.launchers.app")  # as in the API server process
     from afd_attention.patches import async_dp_engine, async_dp_forward_context, remote_moe
-    from afd_common.patches import api_server, vllm_config
+    from afd_common.patches import api_server, moe_parallel, vllm_config
     from afd_ffn.patches import prune
     return {"vllm_config": vllm_config.build, "api_server": api_server.build,
+            "moe_parallel": moe_parallel.build,
             "attention_remote_moe": remote_moe.build, "ffn_prune": prune.build,
             "async_dp_engine": async_dp_engine.build,
             "async_dp_forward_context": async_dp_forward_context.build}
@@ -25,7 +26,8 @@ def snapshot(patch: PatchSet):
     return attrs, items
 
 
-@pytest.mark.parametrize("name", ["vllm_config", "api_server", "attention_remote_moe",
+@pytest.mark.parametrize("name", ["vllm_config", "api_server", "moe_parallel",
+                                  "attention_remote_moe",
                                   "ffn_prune", "async_dp_engine", "async_dp_forward_context"])
 def test_install_then_uninstall_restores_vllm(name):
     patch = builders()[name]()

@@ -40,6 +40,24 @@ def test_gate_on_attention_routing_travels_with_hidden(A, F):
     assert_all_ok(run_world(spec), spec)
 
 
+SHARDED = [(1, 2, 7), (2, 2, 7), (1, 3, 8), (3, 2, 5)]
+
+
+@pytest.mark.parametrize("A,F,E", SHARDED, ids=[f"{a}A{f}F-{e}experts" for a, f, e in SHARDED])
+def test_sharded_experts_m2n_exact(A, F, E):
+    """Each row goes only to the FFN ranks owning one of its top-k experts (uneven shares when F
+    does not divide E); each returns its experts' part and the attention side adds them."""
+    spec = Spec(A, F, steps=3, num_layers=3, stages=2, gate_on_attention=True, num_experts=E,
+                sharded=True, timeout_s=30)
+    results = run_world(spec)
+    msgs = [f"{r.role} {r.rank}: {r.status} {r.detail}" for r in results if r.status != "ok"]
+    assert not msgs, "\n".join(msgs)
+    checked = sum(r.detail["rows_checked"] for r in results if r.role == "attention")
+    served = sum(r.detail["rows"] for r in results if r.role == "ffn")
+    # A row reaches between 1 and min(top_k, F) FFN ranks; somewhere at least one reached two.
+    assert checked < served <= checked * min(spec.top_k, F)
+
+
 def test_nccl_alias_and_one_stage():
     spec = Spec(1, 1, connector="P2pNcclAFDConnector", steps=2, stages=1, timeout_s=30)
     assert_all_ok(run_world(spec), spec)

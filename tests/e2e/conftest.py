@@ -15,12 +15,18 @@ from pathlib import Path
 import pytest
 
 from afd_common.launch import PROMPTS, Server, afd_args, complete, wait_gone
+from afd_common.placement import expert_owners
 from afd_common.selftest import free_port
 from afd_common.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.e2e
 NUM_PROMPTS = 16
 ARCHS = ("deepseek_v2", "qwen3_moe")
+# Routed experts per checkpoint: 8 for DeepSeek-V2 (3 FFN ranks do not divide it; CAMAsync's
+# ops need an even share, 2 ranks do), 7 for Qwen3-MoE (2 FFN ranks do not divide it).
+NUM_EXPERTS = {"deepseek_v2": 8, "qwen3_moe": 7}
+# The negative controls: Qwen3-MoE over 2 sharded FFN ranks with one rank's share reseeded.
+SHARDED_CONTROL_RANKS = 2
 
 
 _plugins = None
@@ -53,10 +59,15 @@ def logs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    out = {arch: write_tiny_model(arch, root / arch, seed=0) for arch in ARCHS}
-    # Same weights except the routed experts: the negative control's FFN checkpoint.
-    out["deepseek_v2-other-experts"] = write_tiny_model("deepseek_v2", root / "dsv2-other",
-                                                        seed=0, experts_seed=12345)
+    out = {arch: write_tiny_model(arch, root / arch, seed=0, num_experts=NUM_EXPERTS[arch])
+           for arch in ARCHS}
+    # Same weights except the routed experts that one FFN rank owns: the negative controls.
+    owners = expert_owners(NUM_EXPERTS["qwen3_moe"], SHARDED_CONTROL_RANKS, "linear")
+    for f in range(SHARDED_CONTROL_RANKS):
+        out[f"qwen3_moe-other-experts-f{f}"] = write_tiny_model(
+            "qwen3_moe", root / f"qwen3-other-f{f}", seed=0, experts_seed=12345,
+            num_experts=NUM_EXPERTS["qwen3_moe"],
+            reseed_experts=[e for e, r in enumerate(owners) if r == f])
     return {k: Path(v) for k, v in out.items()}
 
 
@@ -108,18 +119,26 @@ class Pair:
         return (self.ffn, self.attention)
 
 
+def dp_args(ranks: int) -> list[str]:
+    return ["--data-parallel-size", str(ranks)] if ranks > 1 else []
+
+
 @contextlib.contextmanager
 def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = None,
-             num_attention_ranks: int = 1, **afd):
+             num_attention_ranks: int = 1, num_ffn_ranks: int = 1,
+             vllm_args: tuple[str, ...] = (), **afd):
     """Start an FFN and an attention `vllm serve`, wait until both are ready; afterwards stop
-    whatever the test left running."""
+    whatever the test left running. ``vllm_args`` go to both roles (e.g.
+    ``--enable-expert-parallel``)."""
     port = free_port()
-    ranks = {"num_attention_ranks": num_attention_ranks}
+    ranks = {"num_attention_ranks": num_attention_ranks, "num_ffn_ranks": num_ffn_ranks}
+    # FFN DP ranks start on core 1 and alternate, so 1A2F puts one FFN rank beside attention.
     ffn = Server(f"{name}-ffn", str(ffn_model or attn_model), free_port(), logs / f"{name}-ffn.log",
-                 args=afd_args("ffn", port, **ranks, **afd), cores="1")
-    attn_args = afd_args("attention", port, **ranks, **afd)
-    if num_attention_ranks > 1:
-        attn_args += ["--data-parallel-size", str(num_attention_ranks)]
+                 args=afd_args("ffn", port, **ranks, **afd) + dp_args(num_ffn_ranks)
+                 + list(vllm_args),
+                 cores="|".join(str((i + 1) % 2) for i in range(num_ffn_ranks)))
+    attn_args = (afd_args("attention", port, **ranks, **afd) + dp_args(num_attention_ranks)
+                 + list(vllm_args))
     # One core per DP rank for the attention role (it shares core 1 with the FFN role then).
     attention = Server(f"{name}-attention", str(attn_model), free_port(),
                        logs / f"{name}-attention.log", args=attn_args,

@@ -5,71 +5,111 @@ from __future__ import annotations
 import json
 import signal
 import time
+from dataclasses import dataclass
 
 import pytest
 
 from afd_common.launch import PROMPTS, compare, complete, wait_gone
 from afd_common.lifecycle import FAILED_EXIT_CODE
 
-from .conftest import NUM_PROMPTS, afd_pair, say
+from afd_common.placement import ExpertPlacement
+
+from .conftest import NUM_EXPERTS, NUM_PROMPTS, SHARDED_CONTROL_RANKS, afd_pair, say
 
 pytestmark = pytest.mark.e2e
 
 
 def weights(server) -> dict:
-    line = next(line for line in server.log_path.read_text().splitlines()
-                if "AFD weights:" in line)
-    return json.loads(line.split("AFD weights:", 1)[1])["by_category"]
+    """The first ``AFD weights:`` line of a server's log, by category."""
+    return weights_by_rank(server)[0]
 
 
-# (checkpoint, gate on the attention side, attention ranks, connector, micro-batches): one case
-# is the multi-rank topology 2 attention ranks : 1 FFN rank, where the FFN rank serves both; the
-# CAM connectors move the rows through the afd_ascend ops (portable kernels over Gloo), CAMAsync
-# with async DP and the FFN role's receive loop as the clock. Micro-batching (m = 2, 3) rides on
-# cases that exist anyway: the answers must not change with m.
-CASES = [("deepseek_v2", True, 1, "P2pAFDConnector", 1),
-         ("deepseek_v2", False, 2, "P2pAFDConnector", 2),
-         ("qwen3_moe", True, 1, "P2pAFDConnector", 3),
-         ("qwen3_moe", False, 1, "P2pAFDConnector", 2),
-         ("deepseek_v2", True, 1, "CAMP2pAFDConnector", 2),
-         ("deepseek_v2", True, 2, "CAMAsyncAFDConnector", 1)]
-ASYNC = {"async_dp": True, "connector_extra_config": {"ops_backend": "portable"}}
+def weights_by_rank(server) -> dict[int, dict]:
+    """Every worker's ``AFD weights:`` line (one per DP rank), by rank."""
+    out = {}
+    for line in server.log_path.read_text().splitlines():
+        if "AFD weights:" in line:
+            entry = json.loads(line.split("AFD weights:", 1)[1])
+            out[entry.get("ffn_rank", 0)] = entry["by_category"]
+    return out
 
 
-@pytest.mark.parametrize("arch,gate_on_attention,num_attention_ranks,connector,m", CASES,
-                         ids=[f"{a}-gate_on_{'attention' if g else 'ffn'}-{n}A1F-{c}-m{m}"
-                              for a, g, n, c, m in CASES])
-def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(
-        arch, gate_on_attention, num_attention_ranks, connector, m, models, colocated, logs):
-    extra = ASYNC if connector == "CAMAsyncAFDConnector" else {}
-    if m > 1:
-        extra = {"connector_extra_config": {"num_micro_batches": m}}
-    with afd_pair(f"{arch}-{gate_on_attention}-{num_attention_ranks}A-{connector}-m{m}", logs,
-                  models[arch], num_attention_ranks=num_attention_ranks, connector=connector,
-                  compute_gate_on_attention=gate_on_attention, **extra) as pair:
+def routed_numel_per_expert(model_dir) -> int:
+    """Elements of one routed expert over all MoE layers: gate, up [I, H] and down [H, I]."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    moe_layers = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
+    return 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * moe_layers
+
+
+@dataclass(frozen=True)
+class Case:
+    """One AFD deployment compared with colocated vLLM."""
+
+    arch: str
+    gate_on_attention: bool
+    A: int = 1
+    F: int = 1
+    connector: str = "P2pAFDConnector"
+    m: int = 1
+    sharded: bool = False  # --enable-expert-parallel on both roles
+
+    @property
+    def id(self) -> str:
+        place = "sharded" if self.sharded else "replicated"
+        return (f"{self.arch}-gate_on_{'attention' if self.gate_on_attention else 'ffn'}-"
+                f"{self.A}A{self.F}F-{place}-{self.connector}-m{self.m}")
+
+    def afd(self) -> dict:
+        extra = {}
+        if self.connector == "CAMAsyncAFDConnector":
+            extra = {"async_dp": True, "connector_extra_config": {"ops_backend": "portable"}}
+        if self.m > 1:
+            extra = {"connector_extra_config": {"num_micro_batches": self.m}}
+        return dict(num_attention_ranks=self.A, num_ffn_ranks=self.F, connector=self.connector,
+                    compute_gate_on_attention=self.gate_on_attention,
+                    vllm_args=("--enable-expert-parallel",) if self.sharded else (), **extra)
+
+
+# Every case is one server pair; each exists for a reason. Micro-batching (m = 2, 3) rides on
+# cases that exist anyway: the answers must not change with m. Expert counts: DeepSeek-V2 8,
+# Qwen3-MoE 7 (conftest.NUM_EXPERTS), so F = 2 on Qwen3 and F = 3 on DeepSeek do not divide them.
+CASES = [
+    # 2 attention ranks : 1 FFN rank, which serves both (and the idle rank's dummy steps).
+    Case("deepseek_v2", False, A=2, m=2),
+    Case("qwen3_moe", True, m=3),
+    # The README's scale-out recipe: 2 FFN ranks each holding every expert in full.
+    Case("qwen3_moe", False, F=2, m=2),
+    # Experts sharded over the FFN ranks: M2N dispatch from the attention side.
+    Case("qwen3_moe", True, F=2, sharded=True),
+    Case("qwen3_moe", True, A=2, F=2, sharded=True),
+    Case("deepseek_v2", True, F=3, m=2, sharded=True),
+    # The CAM connectors move the rows through the afd_ascend ops (portable kernels over Gloo);
+    # CAMAsync with async DP, the FFN role's receive loop as the clock, experts sharded.
+    Case("deepseek_v2", True, connector="CAMP2pAFDConnector", m=2),
+    Case("deepseek_v2", True, A=2, F=2, connector="CAMAsyncAFDConnector", sharded=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(case, models, colocated,
+                                                                    logs):
+    with afd_pair(case.id, logs, models[case.arch], **case.afd()) as pair:
         answers = complete(pair.attention, PROMPTS[:NUM_PROMPTS])
-        problems = compare(answers, colocated[arch])
+        problems = compare(answers, colocated[case.arch])
         assert not problems, "\n".join(problems)
         assert len(answers) == NUM_PROMPTS and all(len(a["tokens"]) == 32 for a in answers)
-        if m > 1:  # the steps really were split (the prompts arrive together, so they can be)
-            assert f"split into {m} micro-batches" in pair.attention.log_path.read_text()
-        check_metrics(pair, connector, exact_counts=num_attention_ranks == 1)
-        if num_attention_ranks > 1:
+        if case.m > 1:  # the steps really were split (the prompts arrive together, so they can be)
+            assert f"split into {case.m} micro-batches" in pair.attention.log_path.read_text()
+        check_metrics(pair, case)
+        if case.A > 1:
             log = pair.ffn.log_path.read_text()
-            assert f"handshake with {num_attention_ranks} peers ok" in log
-
-        # Role-pruned weights, counted by name on each side.
-        attn, ffn = weights(pair.attention), weights(pair.ffn)
-        say(f"{arch}: attention holds {sorted(attn)}, FFN holds {sorted(ffn)}; RSS attention "
-            f"{pair.attention.rss_bytes() / 2**20:.0f} MiB, FFN {pair.ffn.rss_bytes() / 2**20:.0f}"
-            f" MiB, colocated {colocated[f'{arch}-rss'] / 2**20:.0f} MiB")
-        assert "routed_experts" not in attn and {"attention", "embedding", "lm_head"} <= set(attn)
-        assert not {"attention", "embedding", "lm_head"} & set(ffn)
-        assert ffn["routed_experts"]["tensors"] > 0
+            assert f"handshake with {case.A + case.F - 1} peers ok" in log
+        check_weights(pair, case, models[case.arch], colocated)
 
         # The FFN role's front end refuses generation and reports its loop.
         status = json.loads(_get(pair.ffn.url + "/health"))
-        assert status["healthy"] and status["ranks"][0]["steps"] > 0
+        assert status["healthy"] and len(status["ranks"]) == case.F
+        assert all(rank["steps"] > 0 for rank in status["ranks"])
         with pytest.raises(Exception, match="400"):
             complete(pair.ffn, PROMPTS[:1])
 
@@ -79,15 +119,38 @@ def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(
         assert pair.ffn.proc.returncode in (0, FAILED_EXIT_CODE)
 
 
+def check_weights(pair, case: Case, model_dir, colocated) -> None:
+    """Role-pruned weights, counted by name on each side; each FFN rank holds every routed
+    expert in full (replicated) or exactly its share (sharded)."""
+    attn, ffn = weights(pair.attention), weights_by_rank(pair.ffn)
+    say(f"{case.id}: attention holds {sorted(attn)}, FFN ranks hold "
+        f"{ {f: w['routed_experts']['numel'] for f, w in sorted(ffn.items())} } routed-expert "
+        f"elements; RSS attention {pair.attention.rss_bytes() / 2**20:.0f} MiB, FFN "
+        f"{pair.ffn.rss_bytes() / 2**20:.0f} MiB, colocated "
+        f"{colocated[f'{case.arch}-rss'] / 2**20:.0f} MiB")
+    assert "routed_experts" not in attn and {"attention", "embedding", "lm_head"} <= set(attn)
+    assert sorted(ffn) == list(range(case.F)), f"AFD weights lines of FFN ranks {sorted(ffn)}"
+    placement = ExpertPlacement("sharded" if case.sharded and case.F > 1 else "replicated",
+                                NUM_EXPERTS[case.arch], case.F)
+    per_expert = routed_numel_per_expert(model_dir)
+    for f, held in ffn.items():
+        assert not {"attention", "embedding", "lm_head"} & set(held)
+        want = per_expert * len(placement.local_experts(f))
+        assert held["routed_experts"]["numel"] == want, (f, held["routed_experts"], want)
+
+
 def afd_series(server) -> dict[str, float]:
     """The afd_* samples of a server's /metrics, by name and labels."""
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in _get(server.url + "/metrics").splitlines() if line.startswith("afd_")}
 
 
-def check_metrics(pair, connector: str, exact_counts: bool) -> None:
-    """Both roles' /metrics carry the AFD series while serving; with one attention rank every
-    attention round trip is one FFN work item, so the counts agree exactly."""
+def check_metrics(pair, case: Case) -> None:
+    """Both roles' /metrics carry the AFD series while serving; with one attention rank and one
+    FFN rank every attention round trip is one FFN work item, so the counts agree exactly. The
+    rows each FFN rank received equal the rows the attention side sent it, and the expert-load
+    series count every (token, expert) pair exactly once."""
+    connector = case.connector
     def sample(series, name, role, **more):
         labels = ",".join(f'{k}="{v}"' for k, v in
                           sorted({"connector": connector, "role": role, **more}.items()))
@@ -104,9 +167,27 @@ def check_metrics(pair, connector: str, exact_counts: bool) -> None:
     assert sample(ffn, "afd_ffn_compute_seconds_count", "ffn") > 0
     assert sample(ffn, "afd_wait_seconds_count", "ffn") > 0
     assert sample(ffn, "afd_bytes_total", "ffn", direction="received") > 0
-    if exact_counts:
+    if case.A == 1 and case.F == 1:
         assert (sample(attn, "afd_layer_roundtrip_seconds_count", "attention")
                 == sample(ffn, "afd_ffn_compute_seconds_count", "ffn"))
+    for f in range(case.F):
+        sent = sample(attn, "afd_routed_rows_total", "attention", ffn_rank=f)
+        assert sent > 0 and sent == sample(ffn, "afd_routed_rows_total", "ffn", ffn_rank=f), f
+    rows = sum(v for k, v in attn.items() if k.startswith("afd_routed_rows_total"))
+    pairs = sum(v for k, v in ffn.items() if k.startswith("afd_expert_rows_total"))
+    experts = {k.split('expert="')[1].split('"')[0] for k in ffn
+               if k.startswith("afd_expert_rows_total")}
+    assert len(experts) == NUM_EXPERTS[case.arch], experts
+    top_k = 2
+    if case.connector == "CAMAsyncAFDConnector":  # rows on the wire are (token, expert) pairs
+        assert pairs == rows
+    elif case.sharded and case.F > 1:  # a row travels to 1..top_k ranks
+        assert rows <= pairs <= top_k * rows
+    else:
+        assert pairs == top_k * rows
+    say(f"{case.id}: rows per FFN rank "
+        f"{[sample(ffn, 'afd_routed_rows_total', 'ffn', ffn_rank=f) for f in range(case.F)]}, "
+        f"{pairs:.0f} (token, expert) pairs over {len(experts)} experts")
 
 
 def sigterm_ends_both(pair, server) -> None:
@@ -126,13 +207,18 @@ def _get(url: str) -> str:
         return r.read().decode()
 
 
-def test_negative_control_and_sigterm_on_ffn_ends_both(models, colocated, logs):
-    """An FFN role with other experts gives other answers (so equality above means something);
-    then SIGTERM on the FFN server ends both roles within 30 s."""
-    with afd_pair("dsv2-negative", logs, models["deepseek_v2"],
-                  ffn_model=models["deepseek_v2-other-experts"]) as pair:
+@pytest.mark.parametrize("ffn_rank", range(SHARDED_CONTROL_RANKS))
+def test_negative_control_per_shard_and_sigterm_on_ffn_ends_both(ffn_rank, models, colocated,
+                                                                 logs):
+    """Experts sharded over 2 FFN ranks, with other weights for exactly the experts one rank
+    owns: the answers change, so every rank's share is really used (and equality above means
+    something); then SIGTERM on the FFN server ends both roles within 30 s."""
+    with afd_pair(f"qwen3-negative-f{ffn_rank}", logs, models["qwen3_moe"],
+                  ffn_model=models[f"qwen3_moe-other-experts-f{ffn_rank}"],
+                  num_ffn_ranks=SHARDED_CONTROL_RANKS, compute_gate_on_attention=True,
+                  vllm_args=("--enable-expert-parallel",)) as pair:
         answers = complete(pair.attention, PROMPTS[:NUM_PROMPTS])
-        differing = compare(answers, colocated["deepseek_v2"])
+        differing = compare(answers, colocated["qwen3_moe"])
         assert len(differing) >= NUM_PROMPTS // 2, differing
         sigterm_ends_both(pair, pair.ffn)
         assert pair.ffn.proc.returncode == 0, "the server stopped on purpose exits 0"

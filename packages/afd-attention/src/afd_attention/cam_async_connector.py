@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from afd_common import metrics
 from afd_common.attention_half import AttentionHalf
 from afd_common.cam_wire import ATTENTION_TP, CAMAsyncHalf, op_error
 from afd_common.metadata import LayerCall
@@ -21,6 +22,12 @@ STOP_LAYER = -1
 
 
 class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionHalf):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._rec = metrics.recorder("attention", self.config.connector)
+        # Owner rank of each expert, as the ops address it (check_cam_async): e // R.
+        self._owner = torch.arange(self.shape.num_experts, device=self.device) // self._R
+
     def watch_peers(self, on_lost) -> None:
         links = self._require_links()
         links.io.watch([self.topology.ffn_global_rank(f) for f in range(
@@ -42,6 +49,8 @@ class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionHalf):
         except RuntimeError as e:
             raise op_error(e, f"dispatching layer {call.layer_idx} stage {call.stage}",
                            "the FFN ranks") from None
+        self._rec.routed_per_rank(torch.bincount(self._owner[ids.flatten().long()],
+                                                 minlength=self.config.num_ffn_ranks))
         self._inflight[call] = (rows, ids, topk_weights.to(torch.float32))
 
     def recv_ffn_output(self, call: LayerCall) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from afd_common import metrics
 from afd_common.cam_wire import CAMP2pHalf, op_error
 from afd_common.metadata import LayerCall
 from afd_common.sync_connector import SyncAttentionConnector
@@ -19,7 +20,9 @@ from afd_common.sync_connector import SyncAttentionConnector
 class CAMP2pAttentionConnector(CAMP2pHalf, SyncAttentionConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._peer = f"FFN rank {self.local_rank % self.config.num_ffn_ranks}"
+        self._ffn_rank = self.local_rank % self.config.num_ffn_ranks
+        self._peer = f"FFN rank {self._ffn_rank}"
+        self._rec = metrics.recorder("attention", self.config.connector)
 
     def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None) -> None:
         self._require_net()
@@ -33,6 +36,7 @@ class CAMP2pAttentionConnector(CAMP2pHalf, SyncAttentionConnector):
         except RuntimeError as e:
             raise op_error(e, f"sending layer {call.layer_idx} stage {call.stage}",
                            self._peer) from None
+        self._rec.routed(self._ffn_rank, rows)
         self._inflight[call] = rows
 
     def recv_ffn_output(self, call: LayerCall) -> torch.Tensor:

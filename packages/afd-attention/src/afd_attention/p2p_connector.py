@@ -1,21 +1,30 @@
 """Attention half of ``P2pAFDConnector`` (alias ``P2pNcclAFDConnector``).
 
 torch.distributed point-to-point: Gloo on CPU, NCCL on CUDA (``connector_extra_config.backend``
-overrides). Rank layout and the A:F mapping: ``afd_common.topology``; message layout:
-``afd_common.p2p_wire``.
+overrides). Rank layout and the A:F mapping: ``afd_common.topology``; message layout and the order
+of operations on a link: ``afd_common.p2p_wire``.
+
+Replicated experts: this rank's rows go to its FFN peer(s) as the topology splits them. Sharded
+experts (M2N): a row goes to every FFN rank that owns one of its top-k experts, after a row
+count; the partial results come back from each and are added in FFN-rank order.
 """
 
 from __future__ import annotations
 
 import torch
 
+from afd_common import metrics
 from afd_common.metadata import LayerCall
-from afd_common.p2p_wire import PROTOCOL, data_tag, open_p2p_world, pack
+from afd_common.p2p_wire import PROTOCOL, count_tag, data_tag, open_p2p_world, pack
 from afd_common.sync_connector import SyncAttentionConnector
 
 
 class P2pAttentionConnector(SyncAttentionConnector):
     protocol = PROTOCOL
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._rec = metrics.recorder("attention", self.config.connector)
 
     def _open(self):
         return open_p2p_world(self)
@@ -23,10 +32,15 @@ class P2pAttentionConnector(SyncAttentionConnector):
     def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None) -> None:
         net = self._require_net()
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
+        if self.topology.sharded:
+            self._inflight[call] = self._send_sharded(net, call, rows, hidden_states, topk_ids,
+                                                      topk_weights)
+            return
         out = torch.empty_like(hidden_states)
         pending = []
         start = 0
         tag = data_tag(call.layer_idx, call.stage)
+        what = ("the FFN result of layer {} stage {}", call.layer_idx, call.stage)
         for link in self._links:
             n = self.topology.chunk_rows(link, rows)
             if n == 0:
@@ -36,16 +50,42 @@ class P2pAttentionConnector(SyncAttentionConnector):
             msg = pack(hidden_states[sl], topk_ids[sl] if topk_ids is not None else None,
                        topk_weights[sl] if topk_weights is not None else None)
             dst = self.topology.ffn_global_rank(link.ffn_rank)
-            # Post the receive of the result before sending: the reply can land while this side
-            # computes the next stage.
-            pending.append(net.data.irecv(out[sl], dst, tag, (
-                "the FFN result of layer {} stage {}", call.layer_idx, call.stage)))
+            # Send, then post the reply's receive: on NCCL/HCCL a receive posted first would
+            # hold back the send behind it (in-order matching per pair).
             net.data.isend(msg, dst, tag)
+            pending.append(net.data.irecv(out[sl], dst, tag, what))
+            self._rec.routed(link.ffn_rank, n)
         self._inflight[call] = (out, pending)
 
+    def _send_sharded(self, net, call, rows, hidden, topk_ids, topk_weights):
+        tag, ctag = data_tag(call.layer_idx, call.stage), count_tag(call.layer_idx, call.stage)
+        what = ("a partial FFN result of layer {} stage {}", call.layer_idx, call.stage)
+        owners = self.shape.placement.owner_table.to(topk_ids.device)[topk_ids.long()]
+        parts = []
+        for f in range(self.topology.num_ffn_ranks):
+            sel = (owners == f).any(dim=1).nonzero().squeeze(1)
+            n = sel.numel()
+            dst = self.topology.ffn_global_rank(f)
+            net.data.isend(torch.tensor([n], dtype=torch.int64), dst, ctag)
+            if n:
+                net.data.isend(pack(hidden.index_select(0, sel), topk_ids.index_select(0, sel),
+                                    topk_weights.index_select(0, sel)), dst, tag)
+                buf = hidden.new_empty(n, hidden.shape[1])
+                parts.append((sel, net.data.irecv(buf, dst, tag, what)))
+                self._rec.routed(f, n)
+        return rows, hidden, parts
+
     def recv_ffn_output(self, call: LayerCall) -> torch.Tensor:
-        out, pending = self._pop_inflight(call)
+        state = self._pop_inflight(call)
         net = self._net
+        timeout = self.timeouts.current()
+        if self.topology.sharded:
+            rows, like, parts = state
+            out = like.new_zeros(rows, like.shape[1])
+            for sel, pending in parts:  # FFN-rank order: the same sum on every run
+                out.index_add_(0, sel, net.data.wait(pending, timeout))
+            return out
+        out, pending = state
         for p in pending:
-            net.data.wait(p, self.timeouts.current())
+            net.data.wait(p, timeout)
         return out

@@ -20,7 +20,8 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice
 from afd_common.config import afd_config_from_vllm
 from afd_common import lifecycle
 from afd_common.registry import resolve_connector
-from afd_common.vllm_model import layer_index, model_shape, weight_summary
+from afd_common.patches import moe_parallel
+from afd_common.vllm_model import expert_placement, layer_index, model_shape, weight_summary
 
 from afd_attention.micro_batches import MicroBatchPipeline, split_on_requests
 from afd_attention.patches import async_dp_enabled, async_dp_forward_context
@@ -38,7 +39,7 @@ class AFDAttentionRunnerMixin:
     _afd_split = None
 
     def load_model(self, *args, **kwargs):
-        with remote_moe_patch.build().applied():
+        with remote_moe_patch.build().applied(), moe_parallel.build().applied():
             super().load_model(*args, **kwargs)
         logger.info("AFD weights: %s", json.dumps({"role": "attention",
                                                    "by_category": weight_summary(self.model)}))
@@ -50,7 +51,8 @@ class AFDAttentionRunnerMixin:
         config = afd_config_from_vllm(self.vllm_config)
         runners = {layer_index(m.layer_name): m for m in self.model.modules()
                    if isinstance(m, AFDAttentionMoERunner)}
-        shape = model_shape(self.vllm_config, runners)
+        shape = model_shape(self.vllm_config, runners,
+                            expert_placement(self.vllm_config, config.num_ffn_ranks))
         # The DP index survives async DP, where each engine is reconfigured as DP rank 0 of 1.
         rank = self.vllm_config.parallel_config.data_parallel_index
         connector = resolve_connector(config.connector, "attention")(config, rank, shape,

@@ -16,7 +16,9 @@ that order (the P2P mapping for ``A >= F``). ``A < F`` is refused: ``a2e`` never
 attention rank's rows over several FFN ranks.
 
 CAMAsync world, attention first (the P2P layout), with the experts sharded over the FFN ("MoE")
-ranks: global expert ``e`` lives on FFN rank ``e // R`` (``R = num_experts / F``) as its local
+ranks as ``afd_common.placement`` places them (vLLM's linear EP placement, which the FFN role
+gets with ``--enable-expert-parallel``): global expert ``e`` lives on FFN rank ``e // R``
+(``R = num_experts / F``, the same share on every rank, as the ops' headers require) as its local
 expert ``e % R``. There is no control plane: ``afd_async_dispatch_send`` carries the layer index
 and row counts in its header, ``afd_async_dispatch_recv`` returns whichever attention DP group is
 ready, so idle attention ranks never hold the FFN side back. Each micro-batch stage is a
@@ -115,8 +117,10 @@ def op_error(e: RuntimeError, what: str, peer: str) -> Exception:
     return e
 
 
-def check_cam_async(config, num_experts: int) -> int:
-    """``R``, each FFN rank's share of the routed experts, after checking what CAMAsync needs."""
+def check_cam_async(config, shape) -> int:
+    """``R``, each FFN rank's share of the routed experts, after checking what CAMAsync needs:
+    one share size for every rank, placed as the ops address them (rank ``e // R``)."""
+    num_experts, placement = shape.num_experts, shape.placement
     if config.extra.num_micro_batches != 1:
         raise AFDConfigError("connector_extra_config.num_micro_batches",
                              config.extra.num_micro_batches,
@@ -127,7 +131,17 @@ def check_cam_async(config, num_experts: int) -> int:
         raise AFDConfigError("num_ffn_ranks", F,
                              f"CAMAsyncAFDConnector shards the {num_experts} routed experts over "
                              "the FFN ranks: num_ffn_ranks must divide the expert count")
-    return num_experts // F
+    R = num_experts // F
+    if F > 1 and not placement.sharded:
+        raise AFDConfigError("enable_expert_parallel", False,
+                             "CAMAsyncAFDConnector sends each row only to the FFN rank that "
+                             "owns its expert: start both roles with --enable-expert-parallel so "
+                             "that each FFN rank loads only its share")
+    if F > 1 and placement.owners != tuple(e // R for e in range(num_experts)):
+        raise AFDConfigError("expert_placement_strategy", placement.strategy,
+                             "CAMAsyncAFDConnector addresses expert e on FFN rank e // R: use "
+                             "the linear placement (--expert-placement-strategy linear)")
+    return R
 
 
 class OpsLinks:
@@ -192,7 +206,7 @@ class CAMAsyncHalf:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         c = self.config
-        self._R = check_cam_async(c, self.shape.num_experts)
+        self._R = check_cam_async(c, self.shape)
         self._quant = int(bool(c.extra.other.get("dynamic_quant", False)))
         self._links: OpsLinks | None = None
         self._comm_args = torch.empty(0, dtype=torch.uint8, device=self.device)

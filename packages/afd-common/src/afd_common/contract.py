@@ -119,7 +119,8 @@ class AFDConnector(abc.ABC):
         self.local_rank = local_rank
         self.shape = shape
         self.device = torch.device(device)
-        self.topology = Topology(config.num_attention_ranks, config.num_ffn_ranks)
+        self.topology = Topology(config.num_attention_ranks, config.num_ffn_ranks,
+                                 sharded=shape.placement.sharded)
         self.timeouts = Timeouts.from_config(config)
         size = (config.num_attention_ranks if self.role == "attention"
                 else config.num_ffn_ranks)
@@ -150,6 +151,7 @@ class AFDConnector(abc.ABC):
             "top_k": s.top_k,
             "dtype": str(s.dtype).removeprefix("torch."),
             "max_num_tokens": s.max_num_tokens,
+            **s.placement.fingerprint(),
         }
 
     @abc.abstractmethod

@@ -22,8 +22,11 @@ from pathlib import Path
 # on core 0), use the V1 runner, and let the CPU engine take only part of RAM.
 BASE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false"}
+# One API server also under DP (vLLM starts one per DP rank by default): on 2 cores every extra
+# process slows the start of both roles.
 COMMON_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-               "--gpu-memory-utilization", "0.25", "--seed", "0", "--max-num-seqs", "64"]
+               "--gpu-memory-utilization", "0.25", "--seed", "0", "--max-num-seqs", "64",
+               "--api-server-count", "1"]
 
 
 def vllm_executable() -> str:

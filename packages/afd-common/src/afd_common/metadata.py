@@ -12,6 +12,8 @@ from functools import cached_property
 
 import torch
 
+from afd_common.placement import ExpertPlacement
+
 MAX_STAGES = 64
 
 
@@ -98,6 +100,7 @@ class ModelShape:
     top_k: int = 0
     architecture: str = ""
     max_num_tokens: int = 8192
+    placement: ExpertPlacement = field(default_factory=ExpertPlacement)
 
     def check_layer(self, layer_idx: int) -> None:
         if layer_idx not in self._moe_set:

@@ -8,7 +8,10 @@ server asks the workers for a snapshot at scrape time (``afd_metrics`` over vLLM
 (afd_common.patches.api_server). Nothing is written per step to any file or socket.
 
 Series (``HISTOGRAMS`` below, in seconds, and the ``afd_bytes_total`` counter with a
-``direction`` label), all labelled ``role`` and ``connector``. A "call" is one (MoE layer,
+``direction`` label), all labelled ``role`` and ``connector``. Expert load, what a balancer
+needs: ``afd_routed_rows_total`` counts the rows that crossed to (attention) or arrived at (FFN)
+each FFN rank (label ``ffn_rank``), and ``afd_expert_rows_total`` (FFN role, labels ``layer`` and
+``expert``) the (token, expert) pairs each routed expert computed. A "call" is one (MoE layer,
 micro-batch): the attention side records its compute before the send, the round trip and the
 time blocked on the result, and the whole forward; the FFN side records expert compute per work
 item and the time blocked waiting for work.
@@ -33,6 +36,10 @@ HISTOGRAMS = {
 }
 BYTES = "afd_bytes"  # exported as afd_bytes_total
 BYTES_HELP = "AFD: bytes of tensors moved between the roles"
+ROUTED = "afd_routed_rows"
+ROUTED_HELP = "AFD: rows sent to (attention role) or received by (FFN role) each FFN rank"
+EXPERT = "afd_expert_rows"
+EXPERT_HELP = "AFD: (token, expert) pairs computed by each routed expert, per MoE layer"
 
 
 class _Histogram:
@@ -56,6 +63,9 @@ class Recorder:
         self.labels = {"role": role, "connector": connector}
         self._h = {name: _Histogram() for name in HISTOGRAMS}
         self.bytes = {"sent": 0, "received": 0}
+        self.routed_rows: dict[int, int] = {}
+        self._routed_by_rank = None  # int64 tensor [FFN ranks], added to without a host sync
+        self._expert_rows: dict[int, object] = {}  # layer -> int64 tensor [num_experts]
         self.roundtrip = self._h["afd_layer_roundtrip_seconds"].observe
         self.attention_compute = self._h["afd_attention_compute_seconds"].observe
         self.wait = self._h["afd_wait_seconds"].observe
@@ -66,12 +76,44 @@ class Recorder:
         self.bytes["sent"] += sent
         self.bytes["received"] += received
 
+    def routed(self, ffn_rank: int, rows: int) -> None:
+        self.routed_rows[ffn_rank] = self.routed_rows.get(ffn_rank, 0) + rows
+
+    def routed_per_rank(self, counts) -> None:
+        """Rows per FFN rank as a tensor (e.g. a bincount on the device): no host sync."""
+        if self._routed_by_rank is None:
+            self._routed_by_rank = counts.long().clone()
+        else:
+            self._routed_by_rank += counts
+
+    def expert_pairs(self, layer: int, topk_ids, num_experts: int) -> None:
+        """Count one item's (token, expert) pairs: a tensor add, no host sync."""
+        import torch
+
+        counts = self._expert_rows.get(layer)
+        if counts is None:
+            counts = self._expert_rows[layer] = torch.zeros(num_experts, dtype=torch.int64,
+                                                            device=topk_ids.device)
+        ids = topk_ids.flatten().long()
+        counts += torch.bincount(ids[(ids >= 0) & (ids < num_experts)], minlength=num_experts)
+
     def snapshot(self) -> dict[str, Any]:
         """Plain data (it crosses vLLM's RPC): only the series that saw anything."""
         return {"labels": dict(self.labels),
                 "histograms": {n: {"counts": list(h.counts), "sum": h.sum, "count": h.count}
                                for n, h in self._h.items() if h.count},
-                "bytes": dict(self.bytes)}
+                "bytes": dict(self.bytes),
+                "routed_rows": self._routed_snapshot(),
+                "expert_rows": {str(layer): counts.tolist()
+                                for layer, counts in self._expert_rows.items()}}
+
+
+    def _routed_snapshot(self) -> dict[str, int]:
+        out = dict(self.routed_rows)
+        if self._routed_by_rank is not None:
+            for f, n in enumerate(self._routed_by_rank.tolist()):
+                out[f] = out.get(f, 0) + n
+        return {str(f): n for f, n in sorted(out.items()) if n}
 
 
 _recorder: Recorder | None = None
@@ -132,6 +174,8 @@ class SnapshotCollector:
 
         merged: dict[tuple, dict] = {}
         byte_totals: dict[tuple, int] = {}
+        routed: dict[tuple, int] = {}
+        expert: dict[tuple, int] = {}
         for snap in self.snapshots:
             labels = tuple(sorted(snap["labels"].items()))
             for name, h in snap["histograms"].items():
@@ -142,6 +186,14 @@ class SnapshotCollector:
             for direction, n in snap["bytes"].items():
                 key = labels + (("direction", direction),)
                 byte_totals[key] = byte_totals.get(key, 0) + n
+            for f, n in snap.get("routed_rows", {}).items():
+                key = labels + (("ffn_rank", f),)
+                routed[key] = routed.get(key, 0) + n
+            for layer, counts in snap.get("expert_rows", {}).items():
+                for e, n in enumerate(counts):
+                    if n:
+                        key = labels + (("expert", str(e)), ("layer", layer))
+                        expert[key] = expert.get(key, 0) + n
         for name, doc in HISTOGRAMS.items():
             series = [(dict(lbl), acc) for (n, lbl), acc in merged.items() if n == name]
             if not series:
@@ -160,4 +212,13 @@ class SnapshotCollector:
             for key, n in byte_totals.items():
                 lbl = dict(key)
                 family.add_metric([lbl["connector"], lbl["direction"], lbl["role"]], n)
+            yield family
+        for name, doc, values in ((ROUTED, ROUTED_HELP, routed), (EXPERT, EXPERT_HELP, expert)):
+            if not values:
+                continue
+            names = sorted(dict(next(iter(values))))
+            family = CounterMetricFamily(name, doc, labels=names)
+            for key, n in values.items():
+                lbl = dict(key)
+                family.add_metric([lbl[k] for k in names], n)
             yield family

@@ -10,6 +10,20 @@ Routing goes first so every part starts 4-byte aligned and is viewed in place on
 attention carries the result rows [rows, H] in the model dtype. The Gloo tag encodes
 (layer, stage): a desynchronised peer times out with a message naming both, instead of feeding
 one layer's rows to another.
+
+With sharded experts how many of an attention rank's rows reach an FFN rank depends on the
+layer's routing, and a receive must be posted with its size (NCCL, HCCL): a row count (int64
+[1], ``count_tag``) precedes the rows on every attention -> FFN link, also when it is 0. The FFN
+side checks it against the step's announced tokens before allocating anything.
+
+The order of operations on one link (one attention rank, one FFN rank), per (layer, stage), the
+same on every backend and safe where point-to-point operations match in posting order, tags
+ignored (NCCL, HCCL)::
+
+    attention:  send [count]  send rows (if any)  recv result (if any rows)
+    FFN:        recv [count]  recv rows (if any)  send result (if any rows)
+
+Neither side posts a receive before the sends that its peer's matching receive follows.
 """
 
 from __future__ import annotations
@@ -28,6 +42,13 @@ PROTOCOL = "p2p/1"
 
 def data_tag(layer_idx: int, stage: int) -> int:
     return layer_idx * MAX_STAGES + stage
+
+
+COUNT_TAG_BASE = 1 << 20
+
+
+def count_tag(layer_idx: int, stage: int) -> int:
+    return COUNT_TAG_BASE + data_tag(layer_idx, stage)
 
 
 def routing_nbytes(rows: int, top_k: int) -> int:

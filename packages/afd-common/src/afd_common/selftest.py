@@ -10,7 +10,8 @@ exactly (integer-valued data, so float32 and bfloat16 are exact)::
     y = x * (layer + 1) + stage            (+ sum(topk_ids) * sum(topk_weights) with the gate)
 
 Async connectors (no control plane) run each (token, expert) row through its own expert and the
-attention side combines them, so there the function is per expert ``e``::
+attention side combines them, and with sharded experts each FFN rank returns the part of its own
+experts, so there the function is per expert ``e``::
 
     y = sum_k topk_weights[k] * (x * (layer + 1) + stage + topk_ids[k])
 """
@@ -31,6 +32,7 @@ import torch
 
 from afd_common.config import AFDConfig, parse_afd_config
 from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
+from afd_common.placement import placement_for
 from afd_common.registry import resolve_connector
 
 
@@ -47,6 +49,8 @@ class Spec:
     gate_on_attention: bool = False
     top_k: int = 2
     num_experts: int = 8
+    # Experts sharded over the FFN ranks (vLLM's linear EP placement), as --enable-expert-parallel
+    sharded: bool = False
     timeout_s: float = 30.0
     port: int = 0
     extra: dict = field(default_factory=dict)
@@ -60,7 +64,9 @@ class Spec:
         return ModelShape(hidden_size=self.hidden_size, dtype=getattr(torch, self.dtype),
                           num_layers=self.num_layers, moe_layers=tuple(range(self.num_layers)),
                           num_experts=self.num_experts, top_k=self.top_k,
-                          architecture="selftest")
+                          architecture="selftest",
+                          placement=placement_for(self.num_experts, self.num_ffn_ranks,
+                                                  self.sharded))
 
     def config(self, role: str) -> AFDConfig:
         extra = {"timeout_s": self.timeout_s, "num_micro_batches": self.stages, **self.extra}
@@ -84,9 +90,12 @@ def expected(x, layer, stage, ids=None, weights=None):
     return y
 
 
-def expected_async(x, layer, stage, ids, weights):
+def expected_async(x, layer, stage, ids, weights, mine=None):
+    """``mine``: bool [rows, k], the (row, expert) pairs to include (an FFN rank's own)."""
     per_expert = x.to(torch.float32).unsqueeze(1) * (layer + 1) + stage \
         + ids.to(torch.float32).unsqueeze(-1)
+    if mine is not None:
+        weights = weights * mine
     return (weights.unsqueeze(-1) * per_expert).sum(1).to(x.dtype)
 
 
@@ -103,7 +112,7 @@ def make_inputs(spec: Spec, step: int, rank: int, layer: int, stage: int, n: int
 def attention_rank(spec: Spec, rank: int) -> dict:
     cls = resolve_connector(spec.connector, "attention")
     conn = cls(spec.config("attention"), rank, spec.shape())
-    want_fn = expected_async if cls.supports_async_dp else expected
+    want_fn = expected_async if cls.supports_async_dp or spec.sharded else expected
     checked = 0
     with conn:
         for step in range(spec.steps):
@@ -131,6 +140,7 @@ def ffn_rank(spec: Spec, rank: int) -> dict:
     spec = replace(spec, **spec.ffn_changes)
     cls = resolve_connector(spec.connector, "ffn")
     conn = cls(spec.config("ffn"), rank, spec.shape())
+    owners = conn.shape.placement.owner_table if spec.sharded else None
     served = {"rows": 0, "steps": 0}
     with conn:
         if conn.control_plane is None:
@@ -144,9 +154,13 @@ def ffn_rank(spec: Spec, rank: int) -> dict:
                     os._exit(17)
                 for stage in range(plan.num_stages):
                     item = conn.recv_ffn_work_item(stage, layer_idx=layer)
-                    if item.num_tokens:
+                    if item.num_tokens and owners is not None:
+                        y = expected_async(item.hidden_states, layer, stage, item.topk_ids,
+                                           item.topk_weights, owners[item.topk_ids.long()] == rank)
+                    elif item.num_tokens:
                         y = expected(item.hidden_states, layer, stage, item.topk_ids,
                                      item.topk_weights)
+                    if item.num_tokens:
                         conn.send_ffn_output(y, item)
                         served["rows"] += item.num_tokens
             conn.end_step()
@@ -240,9 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connector", default="P2pAFDConnector")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--gate-on-attention", action="store_true")
+    ap.add_argument("--sharded", action="store_true",
+                    help="shard the experts over the FFN ranks (needs --gate-on-attention)")
     args = ap.parse_args(argv)
     spec = Spec(args.attention_ranks, args.ffn_ranks, args.connector, steps=args.steps,
-                gate_on_attention=args.gate_on_attention)
+                gate_on_attention=args.gate_on_attention, sharded=args.sharded)
     print(f"afd selftest: {args.connector}, {spec.num_attention_ranks} attention ranks, "
           f"{spec.num_ffn_ranks} FFN ranks, {spec.steps} steps x {spec.num_layers} layers x "
           f"{spec.stages} stages", flush=True)

@@ -11,9 +11,10 @@ which is the usual 0.01-0.02 at real widths. A flat 0.02 at hidden 128 shrinks e
 about 4x: attention goes uniform, the model repeats one token whatever the prompt, and swapping
 every routed expert changes no token at all, so the tests could not tell right from wrong.
 
-``experts_seed`` reseeds only the routed experts. A checkpoint that differs from another in
-nothing else is the negative control: if the FFN side secretly used its own weights (or none),
-the two would agree where they must not.
+``experts_seed`` reseeds only the routed experts (with ``reseed_experts``, only those expert
+indices). A checkpoint that differs from another in nothing else is the negative control: if the
+FFN side secretly used its own weights (or none), the two would agree where they must not; with
+the experts sharded over FFN ranks, reseeding just one rank's share shows that share is used.
 
 Every tensor is drawn from its own generator, seeded by (stream seed, tensor name), so a tensor's
 values do not depend on which other tensors exist or on the order they are written in.
@@ -300,8 +301,13 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def _expert_index(name: str) -> int:
+    return int(name.split(".experts.", 1)[1].split(".", 1)[0])
+
+
 def write_tiny_model(arch: str, out_dir: str | Path, *, seed: int = 0,
-                     experts_seed: int | None = None, **overrides: int) -> Path:
+                     experts_seed: int | None = None, reseed_experts=None,
+                     **overrides: int) -> Path:
     """Write the checkpoint (config, weights, tokenizer) into ``out_dir`` and return its path.
 
     ``overrides`` are the keys of ``DEFAULT_SHAPE``. ``vocab_size`` is rounded up to a multiple of
@@ -328,6 +334,14 @@ def write_tiny_model(arch: str, out_dir: str | Path, *, seed: int = 0,
     if arch.startswith("deepseek") and shape["num_layers"] < 2:
         raise ValueError("DeepSeek needs num_layers >= 2: layer 0 is dense, the rest are MoE")
     experts_seed = seed if experts_seed is None else experts_seed
+    only = None if reseed_experts is None else frozenset(int(e) for e in reseed_experts)
+    if only is not None and not only <= set(range(shape["num_experts"])):
+        raise ValueError(f"reseed_experts {sorted(only)} outside [0, {shape['num_experts']})")
+
+    def stream(name: str, routed: bool) -> int:
+        if routed and (only is None or _expert_index(name) in only):
+            return experts_seed
+        return seed
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -338,7 +352,7 @@ def write_tiny_model(arch: str, out_dir: str | Path, *, seed: int = 0,
     cfg = make_config(arch, shape, vocab, bos, eos)
 
     tensors = {
-        name: _tensor(name, dims, kind, experts_seed if routed else seed)
+        name: _tensor(name, dims, kind, stream(name, routed))
         for name, dims, kind, routed in _all_tensors(cfg)
     }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -347,7 +361,8 @@ def write_tiny_model(arch: str, out_dir: str | Path, *, seed: int = 0,
     _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
     _write_tokenizer(out, tok)
     _write_json(out / "afd_tiny_model.json", {
-        "arch": arch, "seed": seed, "experts_seed": experts_seed, "shape": shape,
+        "arch": arch, "seed": seed, "experts_seed": experts_seed,
+        "reseed_experts": None if only is None else sorted(only), "shape": shape,
         "vocab_size": vocab, "tokenizer_vocab_size": tok.get_vocab_size(),
         "num_parameters": sum(t.numel() for t in tensors.values()),
     })
@@ -362,13 +377,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seeds every tensor but routed experts")
     ap.add_argument("--experts-seed", type=int, default=None,
                     help="seeds the routed experts only (default: --seed)")
+    ap.add_argument("--reseed-experts", default=None, metavar="E,E,...",
+                    help="apply --experts-seed to these expert indices only (e.g. one FFN "
+                    "rank's share, for a negative control)")
     for key, default in DEFAULT_SHAPE.items():
         ap.add_argument("--" + key.replace("_", "-"), dest=key, type=int, help=f"default {default}")
     args = ap.parse_args(argv)
     overrides = {k: getattr(args, k) for k in DEFAULT_SHAPE}
     try:
+        only = (None if args.reseed_experts is None
+                else [int(e) for e in args.reseed_experts.split(",") if e.strip()])
         out = write_tiny_model(args.arch, args.out, seed=args.seed,
-                               experts_seed=args.experts_seed, **overrides)
+                               experts_seed=args.experts_seed, reseed_experts=only, **overrides)
     except (ValueError, TypeError) as e:
         ap.error(str(e))
     info = json.loads((out / "afd_tiny_model.json").read_text())

@@ -5,8 +5,8 @@ P2P world layout (one process group spanning both roles)::
     global rank:  0 .. A-1          A .. A+F-1
                   attention a       FFN f  (global = A + f)
 
-Mapping (every FFN rank holds all experts; the FFN side scales by serving tokens, not by sharding
-experts):
+Mapping with *replicated* experts (every FFN rank holds all of them; the FFN side scales by serving
+tokens):
 
 * ``A >= F``: attention rank ``a`` talks to FFN rank ``a % F`` only. FFN rank ``f`` serves
   attention ranks ``f, f+F, f+2F, ...`` and runs their tokens as one batch (concatenated in
@@ -17,6 +17,10 @@ experts):
 
 Both sides derive the split from the token counts on the control plane, so no chunk size is ever
 sent twice.
+
+With *sharded* experts (``afd_common.placement``) every attention rank talks to every FFN rank
+(M2N): a row goes to the ranks that own one of its top-k experts, so how many rows cross a link is
+known only once the layer's routing is (a row count precedes the rows on the wire).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Link:
 class Topology:
     num_attention_ranks: int
     num_ffn_ranks: int
+    sharded: bool = False
 
     def __post_init__(self) -> None:
         if self.num_attention_ranks < 1 or self.num_ffn_ranks < 1:
@@ -72,6 +77,8 @@ class Topology:
     def links(self) -> tuple[Link, ...]:
         A, F = self.num_attention_ranks, self.num_ffn_ranks
         out = []
+        if self.sharded:
+            return tuple(Link(a, f, 0, 1) for a in range(A) for f in range(F))
         if A >= F:
             for a in range(A):
                 out.append(Link(a, a % F, 0, 1))
@@ -100,7 +107,8 @@ class Topology:
         pairs = ", ".join(f"a{link.attention_rank}->f{link.ffn_rank}"
                           + (f"[{link.chunk}/{link.num_chunks}]" if link.num_chunks > 1 else "")
                           for link in self.links)
-        return f"{self.num_attention_ranks}A{self.num_ffn_ranks}F: {pairs}"
+        kind = ", experts sharded (M2N)" if self.sharded else ""
+        return f"{self.num_attention_ranks}A{self.num_ffn_ranks}F{kind}: {pairs}"
 
     @staticmethod
     def _check(role: str, rank: int, size: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 from afd_common.metadata import ModelShape
+from afd_common.placement import ExpertPlacement, placement_for
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -20,7 +21,31 @@ def layer_index(layer_name: str) -> int:
     return int(m.group(1))
 
 
-def model_shape(vllm_config, moe_runners: dict[int, object]) -> ModelShape:
+# Where model configs keep the routed-expert count and the expert-group count.
+_NUM_EXPERTS_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+_NUM_GROUPS_KEYS = ("n_group", "num_expert_group")
+
+
+def _first_attr(config, keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def expert_placement(vllm_config, num_ffn_ranks: int) -> ExpertPlacement:
+    """The placement this role's vLLM flags ask for, from the model config alone (known before
+    the model is built, which the FFN role needs to build only its share)."""
+    hf = vllm_config.model_config.hf_text_config
+    parallel = vllm_config.parallel_config
+    return placement_for(_first_attr(hf, _NUM_EXPERTS_KEYS) or 0, num_ffn_ranks,
+                         parallel.enable_expert_parallel, parallel.expert_placement_strategy,
+                         _first_attr(hf, _NUM_GROUPS_KEYS))
+
+
+def model_shape(vllm_config, moe_runners: dict[int, object],
+                placement: ExpertPlacement | None = None) -> ModelShape:
     """``moe_runners``: layer index -> the MoE runner module of that layer."""
     if not moe_runners:
         arch = ",".join(getattr(vllm_config.model_config.hf_config, "architectures", []) or [])
@@ -30,6 +55,9 @@ def model_shape(vllm_config, moe_runners: dict[int, object]) -> ModelShape:
     hf = vllm_config.model_config.hf_text_config
     any_runner = next(iter(moe_runners.values()))
     moe = any_runner.moe_config
+    if placement is not None and placement.num_experts != moe.num_experts:
+        raise ValueError(f"the model config names {placement.num_experts} routed experts, its MoE "
+                         f"layers have {moe.num_experts}: AFD cannot place them")
     return ModelShape(
         hidden_size=hf.hidden_size,
         dtype=vllm_config.model_config.dtype,
@@ -40,6 +68,7 @@ def model_shape(vllm_config, moe_runners: dict[int, object]) -> ModelShape:
         architecture=(getattr(vllm_config.model_config.hf_config, "architectures", None)
                       or ["?"])[0],
         max_num_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        placement=placement or ExpertPlacement(num_experts=moe.num_experts),
     )
 
 

@@ -25,9 +25,8 @@ class CAMAsyncFFNConnector(CAMAsyncHalf, FFNConnector):
         self._items = 0
         self._templates: dict[int, torch.Tensor] = {}
         # This rank's global expert ids, once per DP group member (batch_info's count layout).
-        first = self.local_rank * self._R
-        self._member_experts = torch.arange(first, first + self._R,
-                                            dtype=torch.int32).repeat(TP_SIZE)
+        mine = self.shape.placement.local_experts(self.local_rank)  # check_cam_async: R of them
+        self._member_experts = torch.tensor(mine, dtype=torch.int32).repeat(TP_SIZE)
 
     def _args(self) -> dict:
         return dict(moe_rank_id=self.topology.ffn_global_rank(self.local_rank), tp_size=TP_SIZE,

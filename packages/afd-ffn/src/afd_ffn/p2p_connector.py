@@ -1,16 +1,20 @@
 """FFN half of ``P2pAFDConnector`` (alias ``P2pNcclAFDConnector``).
 
 Driven by the sync runner: the control plane says how many rows each served attention rank has per
-stage, so every receive is posted with its exact size. Rank layout and the A:F mapping:
-``afd_common.topology``; message layout: ``afd_common.p2p_wire``.
+stage, so every receive is posted with its exact size. With sharded experts that is an upper
+bound: each attention rank's row count for this layer comes first, and a count above the bound is
+refused before anything is allocated. Rank layout and the A:F mapping: ``afd_common.topology``;
+message layout and the order on a link: ``afd_common.p2p_wire``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from afd_common.errors import AFDProtocolError
 from afd_common.metadata import WorkItem, WorkItemMeta
-from afd_common.p2p_wire import PROTOCOL, data_tag, empty_message, open_p2p_world, unpack
+from afd_common.p2p_wire import (PROTOCOL, count_tag, data_tag, empty_message, open_p2p_world,
+                                 unpack)
 from afd_common.sync_connector import SyncFFNConnector
 
 
@@ -25,6 +29,8 @@ class P2pFFNConnector(SyncFFNConnector):
         net, plan = self._net, self._plan
         shape, gate = self.shape, self.config.compute_gate_on_attention
         tag = data_tag(layer_idx, stage_idx)
+        if self.topology.sharded:
+            sources = self._routed_counts(sources, layer_idx, stage_idx)
         pending = []
         for a, n in sources:
             if n:
@@ -50,6 +56,24 @@ class P2pFFNConnector(SyncFFNConnector):
             weights = (torch.empty(0, shape.top_k, dtype=torch.float32, device=self.device)
                        if gate else None)
         return WorkItem(hidden, meta, ids, weights)
+
+    def _routed_counts(self, bounds, layer_idx: int, stage_idx: int):
+        """(attention rank, rows routed here) for this layer, each checked against the rows that
+        rank announced for the stage."""
+        net, ctag = self._net, count_tag(layer_idx, stage_idx)
+        what = ("the row count of layer {} stage {}", layer_idx, stage_idx)
+        posted = [(a, bound, net.data.irecv(torch.empty(1, dtype=torch.int64),
+                                            self.topology.attention_global_rank(a), ctag, what))
+                  for a, bound in bounds]
+        out = []
+        for a, bound, pending in posted:
+            n = int(net.data.wait(pending, self.timeouts.current())[0])
+            if not 0 <= n <= bound:
+                raise AFDProtocolError(
+                    f"attention rank {a} announced {n} rows for layer {layer_idx} stage "
+                    f"{stage_idx}, outside [0, {bound}] (its tokens in this stage)")
+            out.append((a, n))
+        return tuple(out)
 
     def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
         net = self._require_net()

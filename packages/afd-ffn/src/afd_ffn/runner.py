@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import logging
 
+from afd_common import metrics
 from afd_common.config import afd_config_from_vllm
-from afd_common.vllm_model import layer_index, model_shape, weight_summary
+from afd_common.patches import moe_parallel
+from afd_common.vllm_model import expert_placement, layer_index, model_shape, weight_summary
 
 from afd_ffn.experts import LayerExperts
 from afd_ffn.patches import prune
@@ -25,15 +27,25 @@ class AFDFFNRunnerMixin:
     def load_model(self, *args, **kwargs):
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-        with prune.build().applied():
+        config = afd_config_from_vllm(self.vllm_config)
+        rank = self.vllm_config.parallel_config.data_parallel_index
+        placement = expert_placement(self.vllm_config, config.num_ffn_ranks)
+        with prune.build().applied(), moe_parallel.build(placement, rank).applied():
             super().load_model(*args, **kwargs)
-        logger.info("AFD weights: %s", json.dumps({"role": "ffn",
+        logger.info("AFD weights: %s", json.dumps({"role": "ffn", "ffn_rank": rank,
                                                    "by_category": weight_summary(self.model)}))
+        logger.info("AFD FFN rank %d: routed experts %s; this rank holds %s", rank,
+                    placement.describe(), _ranges(placement.local_experts(rank)))
         runners = {layer_index(m.layer_name): m for m in self.model.modules()
                    if isinstance(m, MoERunner)}
-        config = afd_config_from_vllm(self.vllm_config)
-        shape = model_shape(self.vllm_config, runners)
-        rank = self.vllm_config.parallel_config.data_parallel_index
-        self.afd_service = FFNService(config, rank, shape,
-                                      LayerExperts(self.vllm_config, runners), self.device)
+        shape = model_shape(self.vllm_config, runners, placement)
+        experts = LayerExperts(self.vllm_config, runners, placement, rank)
+        recorder = metrics.recorder("ffn", config.connector)
+        experts.on_routed = lambda layer, ids: recorder.expert_pairs(layer, ids,
+                                                                     shape.num_experts)
+        self.afd_service = FFNService(config, rank, shape, experts, self.device)
         self.afd_service.start()
+
+
+def _ranges(ids: tuple[int, ...]) -> str:
+    return ", ".join(str(i) for i in ids) if len(ids) < 16 else f"{len(ids)} experts"

@@ -37,6 +37,7 @@ class ServingLoop(abc.ABC):
         """Experts for the item's rows, then the result back (an empty item gets an empty one:
         the attention side waits for every stage it sent, even one without rows)."""
         rec = self.metrics
+        rec.routed(self.connector.local_rank, item.num_tokens)
         if item.num_tokens:
             start = time.perf_counter()
             out = self.compute(item, plan)

@@ -14,6 +14,7 @@ from afd_common import lifecycle
 from afd_common.config import AFDConfig, afd_config_from_vllm
 from afd_common.errors import AFDConfigError
 from afd_common.patching import PatchSet
+from afd_common.vllm_model import expert_placement
 
 WORKERS = {
     ("cpu", "attention"): "afd_attention.cpu_worker.AFDAttentionCPUWorker",
@@ -49,6 +50,7 @@ def before(vllm_config, afd: AFDConfig) -> None:
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise AFDConfigError(field, role_ranks, "AFD roles run with tensor and pipeline parallel "
                              "size 1 per rank in this version; scale with data parallelism")
+    _check_placement(vllm_config, afd)
     kind = _device_kind()
     if afd.async_dp:
         _check_async_dp(afd, kind)
@@ -65,6 +67,23 @@ def before(vllm_config, afd: AFDConfig) -> None:
     # its entry point so this package never imports a role.
     for hook in entry_points(group="afd.vllm_config", name=afd.role):
         hook.load()(vllm_config, afd)
+
+
+def _check_placement(vllm_config, afd: AFDConfig) -> None:
+    """Experts sharded over the FFN ranks (vLLM's ``--enable-expert-parallel``, given to both
+    roles) are routed by the attention role, which must know each row's top-k to send it only to
+    the ranks that own its experts."""
+    if vllm_config.parallel_config.enable_eplb:
+        raise AFDConfigError("enable_eplb", True, "AFD places the routed experts on the FFN ranks "
+                             "itself (afd_common.placement); run without --enable-eplb")
+    placement = expert_placement(vllm_config, afd.num_ffn_ranks)
+    if placement.sharded and not afd.compute_gate_on_attention:
+        raise AFDConfigError("compute_gate_on_attention", False,
+                             "with --enable-expert-parallel and num_ffn_ranks > 1 the routed "
+                             "experts are sharded over the FFN ranks, and the attention role "
+                             "routes each row to the ranks that own its top-k experts: set it "
+                             "true on both roles (or drop --enable-expert-parallel to replicate "
+                             "the experts on every FFN rank)")
 
 
 def _check_async_dp(afd: AFDConfig, kind: str) -> None:
