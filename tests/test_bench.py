@@ -153,6 +153,17 @@ def test_afd_breakdown_from_scrapes_and_missing_series():
 
     none, missing = stats.afd_breakdown({"attention": ([], []), "ffn": ([], [])}, 1, 8)
     assert all(none[k] is None for k in stats.AFD_KEYS) and len(missing) == 8
+    assert none["rows_per_ffn_rank"] == [] and none["ffn_rank_imbalance"] is None
+
+
+def test_ffn_rank_imbalance_is_max_over_mean_of_the_window():
+    before = _scrape({"afd_routed_rows_total|role=ffn,ffn_rank=0": 100,
+                      "afd_routed_rows_total|role=ffn,ffn_rank=1": 50})
+    after = _scrape({"afd_routed_rows_total|role=ffn,ffn_rank=0": 400,
+                     "afd_routed_rows_total|role=ffn,ffn_rank=1": 150,
+                     "afd_routed_rows_total|role=ffn,ffn_rank=2": 200})
+    rows, imbalance = stats.ffn_rank_load(before, after)
+    assert rows == [300, 100, 200] and imbalance == pytest.approx(1.5)
 
 
 def _fake_results() -> dict:

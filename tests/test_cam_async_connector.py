@@ -45,6 +45,17 @@ def test_refuses_replicated_or_round_robin_experts_over_several_ranks():
             resolve_connector("CAMAsyncAFDConnector", "ffn")(cfg, 0, shape)
 
 
+@pytest.mark.inorder
+@pytest.mark.parametrize("A,F", [(2, 1), (2, 2)], ids=["2A1F", "2A2F"])
+def test_orderings_are_safe_under_inorder_matching(monkeypatch, A, F):
+    """HCCL matches point-to-point operations in posting order: the FFN rank re-posts an
+    attention rank's header receive only after returning that rank's rows."""
+    monkeypatch.setenv("AFD_TEST_INORDER", "1")
+    spec = Spec(A, F, connector="CAMAsyncAFDConnector", steps=3, num_layers=3, stages=1,
+                gate_on_attention=True, sharded=F > 1, timeout_s=20)
+    assert_all_ok(run_world(spec), spec)
+
+
 def test_bf16():
     spec = Spec(2, 1, connector="CAMAsyncAFDConnector", steps=3, stages=1,
                 gate_on_attention=True, dtype="bfloat16", timeout_s=30)

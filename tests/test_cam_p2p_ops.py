@@ -97,6 +97,60 @@ def test_a2e_e2a_move_rows_exactly(A, F):
     assert sum(checked[F:]) == sum(checked[:F]) == sent > 0
 
 
+E = 64  # expert ids in inputs() are drawn from [0, 64)
+
+
+def _a2e_e2a_m2n_rank(rank, group, A, F):
+    """Sharded experts: each row goes to every FFN rank owning one of its experts, and the
+    attention side adds the partial results (here x * (f + 2) from rank f) in rank order."""
+    from afd_common.placement import expert_owners
+
+    ops = torch.ops.afd_ascend
+    owner = torch.tensor(expert_owners(E, F, "linear"), dtype=torch.int64)
+    checked = 0
+    for step, dtype, _, _ in steps():
+        common = dict(hidden_size=H, topk=TOPK, expert_rank_size=F, attention_rank_size=A,
+                      rank=rank, group_ep=group, expert_owner=owner)
+        if rank >= F:
+            a = rank - F
+            x, ids, scales = inputs(a, step, dtype)
+            out = ops.a2e(x, ids, scales, batch_size=x.shape[0], compute_gate=1, **common)
+            meta = ops.a2e(x.to("meta"), ids.to("meta"), scales.to("meta"),
+                           batch_size=x.shape[0], compute_gate=1, **common)
+            assert [t.shape for t in out] == [t.shape for t in meta], (out, meta)
+            routed = out[4]
+            want_routed = torch.stack([(owner[ids.long()] == f).any(1) for f in range(F)], 1) \
+                if x.shape[0] else torch.zeros(0, F, dtype=torch.bool)
+            assert torch.equal(routed, want_routed)
+            assert out[3].tolist() == routed.sum(0).tolist()
+            y = ops.e2a(torch.empty_like(x), out[3], batch_size=x.shape[0], routed_rows=routed,
+                        **common)
+            want = sum((x * (f + 2)) * routed[:, f:f + 1].to(dtype) for f in range(F)) \
+                if F else None
+            assert y.dtype == dtype and torch.equal(y, want), f"step {step} attention {a}"
+            checked += int(routed.sum())
+        else:
+            bound = sum(rows_of(a, step) for a in range(A))
+            x, ids, scales, counts, _ = ops.a2e(
+                torch.empty(0, H, dtype=dtype), torch.empty(0, TOPK, dtype=torch.int32),
+                torch.empty(0, TOPK, dtype=torch.float32), batch_size=bound, compute_gate=1,
+                **common)
+            assert counts.numel() == A and x.shape == (int(counts.sum()), H)
+            # Every row that arrived has an expert here.
+            assert bool((owner[ids.long()] == rank).any(1).all()) if x.shape[0] else True
+            assert ops.e2a(x * (rank + 2), counts, batch_size=x.shape[0],
+                           **common).shape == (0, H)
+            checked += x.shape[0]
+    return checked
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("A,F", [(1, 2), (2, 3)], ids=["1A2F", "2A3F"])
+def test_a2e_e2a_sharded_experts_m2n(A, F):
+    checked = run_op_world(_a2e_e2a_m2n_rank, A + F, A, F)
+    assert sum(checked[F:]) == sum(checked[:F]) > 0
+
+
 def test_unknown_group_and_bad_world_are_named():
     afd_ascend_ops.ensure_cam_p2p_ops_available("cpu")
     x = torch.zeros(2, H)
@@ -125,13 +179,16 @@ def test_loaders_name_missing_ops_backend_and_remedy():
 
 
 def test_schemas_are_the_deployed_ones():
+    """The deployed schemas, plus optional trailing arguments for sharded experts that deployed
+    callers never pass (so their calls bind exactly as before)."""
     afd_ascend_ops.ensure_cam_async_ops_available("cpu")
     schema = str(torch.ops.afd_ascend.a2e.default._schema)
     assert schema == ("afd_ascend::a2e(Tensor x, Tensor? expert_ids=None, Tensor? scales=None, "
                       "int batch_size=0, int hidden_size=0, int topk=0, int expert_rank_size=0, "
                       "int attention_rank_size=0, int rank=0, str group_ep=\"\", int aiv_num=0, "
-                      "int compute_gate=0) -> Tensor[]")
+                      "int compute_gate=0, Tensor? expert_owner=None) -> Tensor[]")
     assert str(torch.ops.afd_ascend.e2a.default._schema) == (
         "afd_ascend::e2a(Tensor expand_x, Tensor atten_batch_size, int batch_size=0, "
         "int hidden_size=0, int topk=0, int expert_rank_size=0, int attention_rank_size=0, "
-        "int rank=0, str group_ep=\"\", int aiv_num=0) -> Tensor")
+        "int rank=0, str group_ep=\"\", int aiv_num=0, Tensor? expert_owner=None, "
+        "Tensor? routed_rows=None) -> Tensor")

@@ -40,22 +40,50 @@ def test_gate_on_attention_routing_travels_with_hidden(A, F):
     assert_all_ok(run_world(spec), spec)
 
 
-SHARDED = [(1, 2, 7), (2, 2, 7), (1, 3, 8), (3, 2, 5)]
+SHARDED = [("P2pAFDConnector", 1, 2, 7), ("P2pAFDConnector", 2, 2, 7),
+           ("P2pAFDConnector", 1, 3, 8), ("P2pAFDConnector", 3, 2, 5),
+           ("CAMP2pAFDConnector", 1, 2, 7), ("CAMP2pAFDConnector", 2, 3, 8)]
 
 
-@pytest.mark.parametrize("A,F,E", SHARDED, ids=[f"{a}A{f}F-{e}experts" for a, f, e in SHARDED])
-def test_sharded_experts_m2n_exact(A, F, E):
+@pytest.mark.parametrize("connector,A,F,E", SHARDED,
+                         ids=[f"{c}-{a}A{f}F-{e}experts" for c, a, f, e in SHARDED])
+def test_sharded_experts_m2n_exact(connector, A, F, E):
     """Each row goes only to the FFN ranks owning one of its top-k experts (uneven shares when F
     does not divide E); each returns its experts' part and the attention side adds them."""
-    spec = Spec(A, F, steps=3, num_layers=3, stages=2, gate_on_attention=True, num_experts=E,
-                sharded=True, timeout_s=30)
-    results = run_world(spec)
+    spec = Spec(A, F, connector=connector, steps=3, num_layers=3, stages=2,
+                gate_on_attention=True, num_experts=E, sharded=True, timeout_s=30)
+    assert_sharded_ok(run_world(spec), spec)
+
+
+def assert_sharded_ok(results, spec):
     msgs = [f"{r.role} {r.rank}: {r.status} {r.detail}" for r in results if r.status != "ok"]
     assert not msgs, "\n".join(msgs)
     checked = sum(r.detail["rows_checked"] for r in results if r.role == "attention")
     served = sum(r.detail["rows"] for r in results if r.role == "ffn")
     # A row reaches between 1 and min(top_k, F) FFN ranks; somewhere at least one reached two.
-    assert checked < served <= checked * min(spec.top_k, F)
+    assert checked < served <= checked * min(spec.top_k, spec.num_ffn_ranks)
+
+
+INORDER = [("P2pAFDConnector", 2, 2, False, False), ("P2pAFDConnector", 1, 2, True, False),
+           ("P2pAFDConnector", 2, 3, True, True), ("CAMP2pAFDConnector", 3, 2, True, False),
+           ("CAMP2pAFDConnector", 1, 2, True, True)]
+
+
+@pytest.mark.inorder
+@pytest.mark.parametrize("connector,A,F,gate,sharded", INORDER, ids=[
+    f"{c}-{a}A{f}F-gate_on_{'attention' if g else 'ffn'}{'-sharded' if s else ''}"
+    for c, a, f, g, s in INORDER])
+def test_orderings_are_safe_under_inorder_matching(monkeypatch, connector, A, F, gate, sharded):
+    """Every rank's data plane runs in posting order, tags ignored (NCCL/HCCL matching): the
+    connectors' orderings must still complete, with 2 micro-batch stages and both A:F."""
+    monkeypatch.setenv("AFD_TEST_INORDER", "1")
+    spec = Spec(A, F, connector=connector, steps=3, num_layers=3, stages=2,
+                gate_on_attention=gate, num_experts=7, sharded=sharded, timeout_s=20)
+    results = run_world(spec)
+    if sharded:
+        assert_sharded_ok(results, spec)
+    else:
+        assert_all_ok(results, spec)
 
 
 def test_nccl_alias_and_one_stage():

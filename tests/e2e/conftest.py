@@ -126,22 +126,22 @@ def dp_args(ranks: int) -> list[str]:
 @contextlib.contextmanager
 def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = None,
              num_attention_ranks: int = 1, num_ffn_ranks: int = 1,
-             vllm_args: tuple[str, ...] = (), **afd):
+             vllm_args: tuple[str, ...] = (), env: dict | None = None, **afd):
     """Start an FFN and an attention `vllm serve`, wait until both are ready; afterwards stop
-    whatever the test left running. ``vllm_args`` go to both roles (e.g.
-    ``--enable-expert-parallel``)."""
+    whatever the test left running. ``vllm_args`` and ``env`` go to both roles (e.g.
+    ``--enable-expert-parallel``, ``AFD_TEST_INORDER``)."""
     port = free_port()
     ranks = {"num_attention_ranks": num_attention_ranks, "num_ffn_ranks": num_ffn_ranks}
     # FFN DP ranks start on core 1 and alternate, so 1A2F puts one FFN rank beside attention.
     ffn = Server(f"{name}-ffn", str(ffn_model or attn_model), free_port(), logs / f"{name}-ffn.log",
                  args=afd_args("ffn", port, **ranks, **afd) + dp_args(num_ffn_ranks)
-                 + list(vllm_args),
+                 + list(vllm_args), env=dict(env or {}),
                  cores="|".join(str((i + 1) % 2) for i in range(num_ffn_ranks)))
     attn_args = (afd_args("attention", port, **ranks, **afd) + dp_args(num_attention_ranks)
                  + list(vllm_args))
     # One core per DP rank for the attention role (it shares core 1 with the FFN role then).
     attention = Server(f"{name}-attention", str(attn_model), free_port(),
-                       logs / f"{name}-attention.log", args=attn_args,
+                       logs / f"{name}-attention.log", args=attn_args, env=dict(env or {}),
                        cores="|".join(str(i % 2) for i in range(num_attention_ranks)))
     pair = Pair(ffn.start(), attention.start())
     try:

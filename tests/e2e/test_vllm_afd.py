@@ -52,12 +52,14 @@ class Case:
     connector: str = "P2pAFDConnector"
     m: int = 1
     sharded: bool = False  # --enable-expert-parallel on both roles
+    inorder: bool = False  # AFD_TEST_INORDER=1 on both roles: NCCL/HCCL matching on Gloo
 
     @property
     def id(self) -> str:
         place = "sharded" if self.sharded else "replicated"
         return (f"{self.arch}-gate_on_{'attention' if self.gate_on_attention else 'ffn'}-"
-                f"{self.A}A{self.F}F-{place}-{self.connector}-m{self.m}")
+                f"{self.A}A{self.F}F-{place}-{self.connector}-m{self.m}"
+                + ("-inorder" if self.inorder else ""))
 
     def afd(self) -> dict:
         extra = {}
@@ -67,7 +69,8 @@ class Case:
             extra = {"connector_extra_config": {"num_micro_batches": self.m}}
         return dict(num_attention_ranks=self.A, num_ffn_ranks=self.F, connector=self.connector,
                     compute_gate_on_attention=self.gate_on_attention,
-                    vllm_args=("--enable-expert-parallel",) if self.sharded else (), **extra)
+                    vllm_args=("--enable-expert-parallel",) if self.sharded else (),
+                    env={"AFD_TEST_INORDER": "1"} if self.inorder else None, **extra)
 
 
 # Every case is one server pair; each exists for a reason. Micro-batching (m = 2, 3) rides on
@@ -81,12 +84,15 @@ CASES = [
     Case("qwen3_moe", False, F=2, m=2),
     # Experts sharded over the FFN ranks: M2N dispatch from the attention side.
     Case("qwen3_moe", True, F=2, sharded=True),
-    Case("qwen3_moe", True, A=2, F=2, sharded=True),
+    Case("qwen3_moe", True, A=2, F=2, sharded=True, inorder=True),
     Case("deepseek_v2", True, F=3, m=2, sharded=True),
     # The CAM connectors move the rows through the afd_ascend ops (portable kernels over Gloo);
     # CAMAsync with async DP, the FFN role's receive loop as the clock, experts sharded.
-    Case("deepseek_v2", True, connector="CAMP2pAFDConnector", m=2),
-    Case("deepseek_v2", True, A=2, F=2, connector="CAMAsyncAFDConnector", sharded=True),
+    # Both under in-order matching (AFD_TEST_INORDER), as on HCCL.
+    Case("qwen3_moe", True, A=2, F=2, connector="CAMP2pAFDConnector", m=2, sharded=True,
+         inorder=True),
+    Case("deepseek_v2", True, A=2, F=2, connector="CAMAsyncAFDConnector", sharded=True,
+         inorder=True),
 ]
 
 
@@ -100,6 +106,9 @@ def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(case, models,
         assert len(answers) == NUM_PROMPTS and all(len(a["tokens"]) == 32 for a in answers)
         if case.m > 1:  # the steps really were split (the prompts arrive together, so they can be)
             assert f"split into {case.m} micro-batches" in pair.attention.log_path.read_text()
+        if case.inorder:
+            for server in pair.servers:
+                assert "AFD_TEST_INORDER=1" in server.log_path.read_text(), server.name
         check_metrics(pair, case)
         if case.A > 1:
             log = pair.ffn.log_path.read_text()
@@ -158,7 +167,18 @@ def check_metrics(pair, case: Case) -> None:
         assert key in series, f"{key} missing from /metrics; AFD series: {sorted(series)}"
         return series[key]
 
-    attn, ffn = afd_series(pair.attention), afd_series(pair.ffn)
+    def routed(series, role):
+        return [series.get(f'afd_routed_rows_total{{connector="{connector}",ffn_rank="{f}",'
+                           f'role="{role}"}}') for f in range(case.F)]
+
+    # Idle DP ranks may still run a dummy step between the two scrapes: read both again until
+    # they agree (bounded), then require agreement.
+    deadline = time.monotonic() + 20
+    while True:
+        attn, ffn = afd_series(pair.attention), afd_series(pair.ffn)
+        if routed(attn, "attention") == routed(ffn, "ffn") or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     for name in ("afd_layer_roundtrip_seconds", "afd_attention_compute_seconds",
                  "afd_wait_seconds", "afd_step_seconds"):
         assert sample(attn, f"{name}_count", "attention") > 0

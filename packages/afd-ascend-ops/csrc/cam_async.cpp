@@ -28,10 +28,13 @@
 //   capacity rows): returns ONE work item [expand_x [cap, H] (x's dtype, int8 with
 //   dynamic_quant), dynamic_scales f32 [cap] (per-row scales with dynamic_quant, else ones; ones
 //   past n), expert_token_counts int64 [R], batch_info int64 [5 + tp + R * tp]].
-//   One header receive per attention rank stays posted in static state (re-posted as soon as it
-//   is consumed); the call polls them round-robin over DP groups, starting after the last group
-//   served, until some group has the headers of all tp members, then receives those members'
-//   payloads and builds the group's items. An idle group sends nothing and never holds up the
+//   One header receive per attention rank stays posted in static state; the call polls them
+//   round-robin over DP groups, starting after the last group served, until some group has the
+//   headers of all tp members, then receives those members' payloads and builds the group's
+//   items. A consumed header's receive is posted again only when nothing is owed to that rank:
+//   at once when it sent no rows here, else by the combine_send that returns its last row -- a
+//   receive posted earlier would hold back those sends where point-to-point operations match in
+//   posting order (HCCL, NCCL), while the rank waits for them before it sends again. An idle group sends nothing and never holds up the
 //   others. Layout: member-major (member 0's rows grouped by local expert, then member 1's, ...).
 //   batch_info = [0] rows n, [1] source = the DP group's first rank (-1: stop item), [2] layer,
 //   [3] first and [4] last local expert covered, [5, 5 + tp) per-member row offsets into
@@ -260,6 +263,7 @@ struct RecvStream {
   const void* pg = nullptr;  // identity only: a re-registered group starts a fresh stream
   int64_t A, M, R, tp;
   std::vector<std::shared_ptr<HeaderRecv>> hdr;  // per attention rank; null: not posted
+  std::vector<int64_t> owed;  // per attention rank: rows still to return before re-posting
   std::vector<char> stopped;                     // per DP group
   int64_t last_group = -1;
   std::deque<Item> queue;
@@ -435,6 +439,7 @@ std::vector<at::Tensor> dispatch_recv(const at::Tensor& x, const at::Tensor& com
   }
   if (s->hdr.empty()) {
     s->hdr.resize(w.A);
+    s->owed.assign(w.A, 0);
     s->stopped.assign(G, 0);
     for (int64_t a = 0; a < w.A; ++a) post_header(*s, w, a, opts);
   }
@@ -454,6 +459,10 @@ std::vector<at::Tensor> dispatch_recv(const at::Tensor& x, const at::Tensor& com
       bool ready = true;
       for (int64_t m = 0; m < tp; ++m) {
         auto& h = s->hdr[c * tp + m];
+        if (!h && s->owed[c * tp + m] > 0) {  // its results are not all returned yet
+          ready = false;
+          continue;
+        }
         TORCH_CHECK(h, "afd_ascend.", op, ": the stream of group '", w.name, "', comm_id ",
                     comm_id, " is broken by an earlier error (attention rank ", c * tp + m,
                     " has no posted header receive)");
@@ -507,8 +516,13 @@ std::vector<at::Tensor> dispatch_recv(const at::Tensor& x, const at::Tensor& com
     }
     return out;
   }
-  for (int64_t m = 0; m < tp; ++m) {
-    if (!mem[m].stop) post_header(*s, w, g * tp + m, opts);  // keep the stream posted
+  for (int64_t m = 0; m < tp; ++m) {  // keep the stream posted (see above for when)
+    if (mem[m].stop) continue;
+    if (mem[m].rows > 0) {
+      s->owed[g * tp + m] = mem[m].rows;
+    } else {
+      post_header(*s, w, g * tp + m, opts);
+    }
   }
   int64_t live = 0;  // a member that did not send STOP
   while (mem[live].stop) ++live;
@@ -678,6 +692,18 @@ at::Tensor combine_send(const at::Tensor& expand_x, const at::Tensor& comm_args,
                tag(comm_id, kCombineHeader));
     afd::isend(w.pg, w.name, xc.narrow(0, info[kInfoFixed + m], rows[m]), dst,
                tag(comm_id, kCombinePayload));
+  }
+  // Everything owed to a member is on its way: its next dispatch header may be received now.
+  auto s = stream_of(op, w);
+  std::lock_guard<std::mutex> lock(s->mu);
+  for (int64_t m = 0; m < tp; ++m) {
+    int64_t a = src + m;
+    if (rows[m] == 0 || a >= static_cast<int64_t>(s->owed.size()) || s->owed[a] <= 0) continue;
+    s->owed[a] -= rows[m];
+    if (s->owed[a] <= 0 && !s->hdr[a]) {
+      s->owed[a] = 0;
+      post_header(*s, w, a, opts);
+    }
   }
   return long_tensor(rows, opts);
 }

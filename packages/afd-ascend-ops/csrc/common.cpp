@@ -2,13 +2,115 @@
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <condition_variable>
+#include <cstdlib>
 #include <deque>
+#include <exception>
+#include <functional>
+#include <map>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 
 namespace afd {
 namespace {
+
+// --- In-order test mode (AFD_TEST_INORDER=1): NCCL/HCCL matching emulated on Gloo. ----------
+// Each (group, peer) gets one lane: a thread that runs this rank's sends and receives to that
+// peer one at a time in posting order, each finished before the next starts, so a posted receive
+// holds back everything posted after it to the same peer, whatever the tags (as on HCCL/NCCL).
+
+bool inorder_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("AFD_TEST_INORDER");
+    return v != nullptr && *v != '\0' && std::string(v) != "0";
+  }();
+  return on;
+}
+
+class LaneWork : public c10d::Work {
+ public:
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (timeout == kNoTimeout) {
+      cv_.wait(lock, [&] { return done_; });
+    } else if (!cv_.wait_for(lock, timeout, [&] { return done_; })) {
+      TORCH_CHECK(false, "Timed out under in-order matching (AFD_TEST_INORDER): an operation "
+                         "posted earlier to the same peer has not completed");
+    }
+    if (error_) std::rethrow_exception(error_);
+    return true;
+  }
+  void complete(std::exception_ptr error) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+      error_ = error;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+struct Lane {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> ops;
+};
+
+std::mutex g_lanes_mu;
+std::map<std::pair<const void*, int>, Lane*> g_lanes;  // lanes live as long as the process
+
+c10::intrusive_ptr<c10d::Work> post_in_order(const Group& pg, std::vector<at::Tensor> ts, int peer,
+                                             int tag, bool send) {
+  auto work = c10::make_intrusive<LaneWork>();
+  Lane* lane;
+  {
+    std::lock_guard<std::mutex> lock(g_lanes_mu);
+    auto& slot = g_lanes[{pg.get(), peer}];
+    if (slot == nullptr) {
+      slot = new Lane();
+      Lane* l = slot;
+      std::thread([l] {
+        for (;;) {
+          std::function<void()> op;
+          {
+            std::unique_lock<std::mutex> lock(l->mu);
+            l->cv.wait(lock, [&] { return !l->ops.empty(); });
+            op = std::move(l->ops.front());
+            l->ops.pop_front();
+          }
+          op();
+        }
+      }).detach();
+    }
+    lane = slot;
+  }
+  {
+    std::lock_guard<std::mutex> lock(lane->mu);
+    lane->ops.push_back([pg, ts, peer, tag, send, work]() mutable {
+      try {
+        auto w = send ? pg->send(ts, peer, tag) : pg->recv(ts, peer, tag);
+        w->wait();
+        work->complete(nullptr);
+      } catch (...) {
+        work->complete(std::current_exception());
+      }
+    });
+  }
+  lane->cv.notify_one();
+  return work;
+}
 
 struct PendingSend {
   c10::intrusive_ptr<c10d::Work> work;
@@ -53,7 +155,7 @@ void reap_sends(const std::string& name, bool wait) {
 
 void isend(const Group& pg, const std::string& name, at::Tensor t, int dst, int tag) {
   std::vector<at::Tensor> ts{t.contiguous()};
-  auto work = pg->send(ts, dst, tag);
+  auto work = inorder_enabled() ? post_in_order(pg, ts, dst, tag, true) : pg->send(ts, dst, tag);
   PendingSend oldest;
   bool drain = false;
   {
@@ -72,7 +174,7 @@ void isend(const Group& pg, const std::string& name, at::Tensor t, int dst, int 
 c10::intrusive_ptr<c10d::Work> irecv(const Group& pg, at::Tensor& t, int src, int tag) {
   TORCH_CHECK(t.is_contiguous(), "internal: receive buffer must be contiguous");
   std::vector<at::Tensor> ts{t};
-  return pg->recv(ts, src, tag);
+  return inorder_enabled() ? post_in_order(pg, ts, src, tag, false) : pg->recv(ts, src, tag);
 }
 
 void finish(const c10::intrusive_ptr<c10d::Work>& work, const char* op, int src,

@@ -19,23 +19,31 @@ std::vector<at::Tensor> a2e_meta(const at::Tensor& x, const std::optional<at::Te
                                  int64_t hidden_size, int64_t topk, int64_t expert_rank_size,
                                  int64_t attention_rank_size, int64_t rank,
                                  c10::string_view group_ep, int64_t aiv_num,
-                                 int64_t compute_gate) {
+                                 int64_t compute_gate,
+                                 const std::optional<at::Tensor>& expert_owner) {
   auto meta = x.options().device(at::kMeta);
   auto ids_dtype = expert_ids ? expert_ids->scalar_type() : at::kInt;
   auto sc_dtype = scales ? scales->scalar_type() : at::kFloat;
   bool attention = rank >= expert_rank_size;
   int64_t rows = attention ? 0 : batch_size;
   int64_t k = compute_gate ? topk : 0;
-  int64_t n_src = attention ? 1 : sources_of_ffn_rank(rank, attention_rank_size, expert_rank_size);
+  bool m2n = expert_owner.has_value();
+  int64_t n_src = attention ? (m2n ? expert_rank_size : 1)
+                  : (m2n ? attention_rank_size
+                         : sources_of_ffn_rank(rank, attention_rank_size, expert_rank_size));
+  auto mask = attention && m2n ? at::empty({x.size(0), expert_rank_size}, meta.dtype(at::kBool))
+                               : at::empty({rows}, meta.dtype(at::kBool));
   return {at::empty({rows, hidden_size}, meta), at::empty({rows, k}, meta.dtype(ids_dtype)),
           at::empty({rows, k}, meta.dtype(sc_dtype)), at::empty({n_src}, meta.dtype(at::kLong)),
-          at::empty({rows}, meta.dtype(at::kBool))};
+          mask};
 }
 
 at::Tensor e2a_meta(const at::Tensor& expand_x, const at::Tensor& atten_batch_size,
                     int64_t batch_size, int64_t hidden_size, int64_t topk,
                     int64_t expert_rank_size, int64_t attention_rank_size, int64_t rank,
-                    c10::string_view group_ep, int64_t aiv_num) {
+                    c10::string_view group_ep, int64_t aiv_num,
+                    const std::optional<at::Tensor>& expert_owner,
+                    const std::optional<at::Tensor>& routed_rows) {
   bool attention = rank >= expert_rank_size;
   return at::empty({attention ? expand_x.size(0) : 0, hidden_size},
                    expand_x.options().device(at::kMeta));
@@ -88,11 +96,13 @@ TORCH_LIBRARY(afd_ascend, m) {
   m.def(
       "a2e(Tensor x, Tensor? expert_ids=None, Tensor? scales=None, int batch_size=0, "
       "int hidden_size=0, int topk=0, int expert_rank_size=0, int attention_rank_size=0, "
-      "int rank=0, str group_ep=\"\", int aiv_num=0, int compute_gate=0) -> Tensor[]");
+      "int rank=0, str group_ep=\"\", int aiv_num=0, int compute_gate=0, "
+      "Tensor? expert_owner=None) -> Tensor[]");
   m.def(
       "e2a(Tensor expand_x, Tensor atten_batch_size, int batch_size=0, int hidden_size=0, "
       "int topk=0, int expert_rank_size=0, int attention_rank_size=0, int rank=0, "
-      "str group_ep=\"\", int aiv_num=0) -> Tensor");
+      "str group_ep=\"\", int aiv_num=0, Tensor? expert_owner=None, "
+      "Tensor? routed_rows=None) -> Tensor");
   m.def(
       "afd_async_dispatch_send(Tensor x, Tensor expert_ids, Tensor comm_args, int comm_id, "
       "int max_seq_len, int batch_size, int hidden_size, int top_k, int moe_rank_num, "

@@ -1,7 +1,8 @@
 """Attention half of ``CAMP2pAFDConnector`` (Ascend, sync).
 
 Hidden states (and routing, with the gate on attention) go out through ``afd_ascend.a2e`` and the
-results come back through ``afd_ascend.e2a``, one registered group per micro-batch stage; step
+results come back through ``afd_ascend.e2a`` (with sharded experts: to and from every FFN rank
+that owns one of a row's experts), one registered group per micro-batch stage; step
 metadata goes once per step over the Gloo control plane. On an NPU the ops ride HCCL through
 torch-npu (not exercised here); on CPU the portable kernels ride Gloo. World layout and mapping:
 ``afd_common.cam_wire``.
@@ -29,23 +30,27 @@ class CAMP2pAttentionConnector(CAMP2pHalf, SyncAttentionConnector):
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
         gate = topk_ids is not None
         try:
-            torch.ops.afd_ascend.a2e(
+            *_, counts, routed = torch.ops.afd_ascend.a2e(
                 hidden_states, topk_ids.to(torch.int32) if gate else None,
                 topk_weights.to(torch.float32) if gate else None, batch_size=rows,
                 compute_gate=int(gate), **self._op_args(call.stage))
         except RuntimeError as e:
             raise op_error(e, f"sending layer {call.layer_idx} stage {call.stage}",
                            self._peer) from None
-        self._rec.routed(self._ffn_rank, rows)
-        self._inflight[call] = rows
+        if self._owner is None:
+            self._rec.routed(self._ffn_rank, rows)
+            self._inflight[call] = (rows, None)
+        else:  # sharded: rows per FFN rank, and which ranks each row went to
+            self._rec.routed_per_rank(counts)
+            self._inflight[call] = (rows, routed)
 
     def recv_ffn_output(self, call: LayerCall) -> torch.Tensor:
-        rows = self._pop_inflight(call)
+        rows, routed = self._pop_inflight(call)
         like = torch.empty(rows, self.shape.hidden_size, dtype=self.shape.dtype,
                            device=self.device)
         try:
             return torch.ops.afd_ascend.e2a(like, torch.tensor([rows]), batch_size=rows,
-                                            **self._op_args(call.stage))
+                                            routed_rows=routed, **self._op_args(call.stage))
         except RuntimeError as e:
             raise op_error(e, f"the FFN result of layer {call.layer_idx} stage {call.stage}",
                            self._peer) from None

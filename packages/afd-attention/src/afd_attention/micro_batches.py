@@ -105,11 +105,12 @@ class _Baton:
 class MicroBatchPipeline:
     """Runs one forward per micro-batch with the baton; the caller's thread runs stage 0."""
 
-    def __init__(self, num_micro_batches: int):
+    def __init__(self, num_micro_batches: int, thread_setup: Callable[[], None] = lambda: None):
+        """``thread_setup`` runs first in each micro-batch thread (device, vLLM config)."""
         self._queues: list[queue.SimpleQueue] = []
         for stage in range(1, num_micro_batches):
             q: queue.SimpleQueue = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(stage, q), daemon=True,
+            threading.Thread(target=self._serve, args=(stage, q, thread_setup), daemon=True,
                              name=f"afd-micro-batch-{stage}").start()
             self._queues.append(q)
 
@@ -141,7 +142,8 @@ class MicroBatchPipeline:
         return results
 
     @staticmethod
-    def _serve(stage: int, q: queue.SimpleQueue) -> None:
+    def _serve(stage: int, q: queue.SimpleQueue, thread_setup: Callable[[], None]) -> None:
+        thread_setup()
         _local.stage = stage
         while True:
             baton, forward, results, grad, inference = q.get()

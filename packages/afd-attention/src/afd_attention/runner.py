@@ -20,6 +20,7 @@ from vllm.v1.worker.ubatch_utils import UBatchSlice
 from afd_common.config import afd_config_from_vllm
 from afd_common import lifecycle
 from afd_common.registry import resolve_connector
+from afd_common.model_thread import enter_model_thread
 from afd_common.patches import moe_parallel
 from afd_common.vllm_model import expert_placement, layer_index, model_shape, weight_summary
 
@@ -76,7 +77,10 @@ class AFDAttentionRunnerMixin:
         connector.watch_peers(on_lost)
         session.activate()
         if config.extra.num_micro_batches > 1:
-            self._afd_pipeline = MicroBatchPipeline(config.extra.num_micro_batches)
+            vllm_config, device = self.vllm_config, self.device
+            self._afd_pipeline = MicroBatchPipeline(
+                config.extra.num_micro_batches,
+                thread_setup=lambda: enter_model_thread(vllm_config, device))
             self._afd_splits_seen: set[int] = set()
         logger.info("AFD attention rank %d: connected (%d micro-batch%s per step)", rank,
                     config.extra.num_micro_batches,

@@ -11,9 +11,11 @@ CAMP2p world, FFN first (the layout the ops expect)::
     global rank:  0 .. F-1      F .. F+A-1
                   FFN f         attention a  (global = F + a)
 
-Attention rank ``a`` talks to FFN rank ``a % F``, which serves ``f, f+F, ...`` as one batch in
-that order (the P2P mapping for ``A >= F``). ``A < F`` is refused: ``a2e`` never splits one
-attention rank's rows over several FFN ranks.
+Replicated experts: attention rank ``a`` talks to FFN rank ``a % F``, which serves ``f, f+F, ...``
+as one batch in that order (the P2P mapping for ``A >= F``). ``A < F`` is refused: ``a2e`` never
+splits one attention rank's rows over several FFN ranks. Sharded experts: both ops get the
+placement's owner table (``expert_owner``) and go M2N -- each row to the FFN ranks that own one of
+its top-k experts, any A:F.
 
 CAMAsync world, attention first (the P2P layout), with the experts sharded over the FFN ("MoE")
 ranks as ``afd_common.placement`` places them (vLLM's linear EP placement, which the FFN role
@@ -32,6 +34,7 @@ from typing import ClassVar
 
 import torch
 
+from afd_common import inorder
 from afd_common.contract import ControlPlane
 from afd_common.control_plane import GlooControlPlane, link_peers
 from afd_common.errors import AFDConfigError, AFDPeerError, AFDTimeoutError
@@ -59,12 +62,13 @@ def require_ops(kind: str, device: torch.device, connector: str, role: str) -> N
     check(device)
 
 
-def check_cam_p2p_topology(num_attention_ranks: int, num_ffn_ranks: int) -> None:
-    if num_attention_ranks < num_ffn_ranks:
+def check_cam_p2p_topology(num_attention_ranks: int, num_ffn_ranks: int, sharded: bool) -> None:
+    if num_attention_ranks < num_ffn_ranks and not sharded:
         raise AFDConfigError("num_ffn_ranks", num_ffn_ranks,
                              f"CAMP2pAFDConnector needs num_attention_ranks "
                              f"({num_attention_ranks}) >= num_ffn_ranks: afd_ascend.a2e sends "
-                             "each attention rank's rows to one FFN rank (a % F)")
+                             "each attention rank's rows to one FFN rank (a % F) unless the "
+                             "experts are sharded (--enable-expert-parallel)")
 
 
 def cam_p2p_global_rank(num_ffn_ranks: int):
@@ -177,11 +181,15 @@ class CAMP2pHalf:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        check_cam_p2p_topology(self.config.num_attention_ranks, self.config.num_ffn_ranks)
+        check_cam_p2p_topology(self.config.num_attention_ranks, self.config.num_ffn_ranks,
+                               self.topology.sharded)
         self._groups: list[str] = []
+        self._owner = (self.shape.placement.owner_table.to(self.device)
+                       if self.topology.sharded else None)
 
     def _open(self) -> SyncLinks:
         require_ops("p2p", self.device, "CAMP2pAFDConnector", self.role)
+        inorder.enabled()  # the ops read AFD_TEST_INORDER themselves; this logs that it is on
         links, self._groups = open_cam_p2p_world(self)
         return links
 
@@ -192,7 +200,7 @@ class CAMP2pHalf:
         return dict(hidden_size=shape.hidden_size,
                     topk=shape.top_k if c.compute_gate_on_attention else 0,
                     expert_rank_size=c.num_ffn_ranks, attention_rank_size=c.num_attention_ranks,
-                    rank=rank, group_ep=self._groups[stage])
+                    rank=rank, group_ep=self._groups[stage], expert_owner=self._owner)
 
 
 class CAMAsyncHalf:
@@ -218,6 +226,7 @@ class CAMAsyncHalf:
     def init(self) -> None:
         if self._links is None:
             require_ops("async", self.device, "CAMAsyncAFDConnector", self.role)
+            inorder.enabled()  # the ops read AFD_TEST_INORDER themselves; this logs it
             self._links = OpsLinks(self)
 
     def _op_args(self) -> dict:

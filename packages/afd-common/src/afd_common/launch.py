@@ -49,6 +49,7 @@ class Server:
     args: list[str] = field(default_factory=list)
     cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "1" or "0|1"
     env: dict[str, str] = field(default_factory=dict)
+    common_args: list[str] = field(default_factory=lambda: list(COMMON_ARGS))
     proc: subprocess.Popen | None = None
 
     @property
@@ -60,7 +61,7 @@ class Server:
         if self.cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cores
         cmd = [vllm_executable(), "serve", self.model, "--port", str(self.http_port),
-               "--host", "127.0.0.1", *COMMON_ARGS, *self.args]
+               "--host", "127.0.0.1", *self.common_args, *self.args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,

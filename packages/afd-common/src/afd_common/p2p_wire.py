@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from afd_common import inorder
 from afd_common.control_plane import GlooControlPlane, link_peers
 from afd_common.metadata import MAX_STAGES
 from afd_common.sync_connector import SyncLinks
@@ -92,9 +93,13 @@ def open_p2p_world(connector) -> SyncLinks:
     world = AFDWorld(cfg, connector.local_rank, topo.world_size, topo.global_rank,
                      connector.fingerprint(), connector.timeouts.first_step_s)
     try:
+        in_order = inorder.enabled()
         data_group = world.group("data", backend)
-        ctrl_group = data_group if backend == "gloo" else world.group("control", "gloo")
-        data = PeerIO(data_group, world.describe)
+        # The control plane keeps tagged matching: its own Gloo group under NCCL (and in the
+        # in-order test mode, which stands for NCCL); otherwise it shares the Gloo data group.
+        ctrl_group = (data_group if backend == "gloo" and not in_order
+                      else world.group("control", "gloo"))
+        data = PeerIO(data_group, world.describe, in_order=in_order)
         ctrl_io = data if ctrl_group is data_group else PeerIO(ctrl_group, world.describe)
         control = GlooControlPlane(ctrl_io, link_peers(topo, cfg.role, connector.local_rank),
                                    cfg.role, connector.timeouts.step_s)

@@ -32,6 +32,7 @@ import torch
 
 from afd_common.config import AFDConfig, parse_afd_config
 from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
+from afd_common import inorder
 from afd_common.placement import placement_for
 from afd_common.registry import resolve_connector
 
@@ -257,11 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sharded", action="store_true",
                     help="shard the experts over the FFN ranks (needs --gate-on-attention)")
     args = ap.parse_args(argv)
+    cls = resolve_connector(args.connector, "attention")
+    # CAMAsync pipelines by construction (one stage) and shards its experts whenever F > 1.
+    stages = 1 if cls.supports_async_dp else Spec.stages
+    sharded = args.sharded or (cls.supports_async_dp and args.ffn_ranks > 1)
     spec = Spec(args.attention_ranks, args.ffn_ranks, args.connector, steps=args.steps,
-                gate_on_attention=args.gate_on_attention, sharded=args.sharded)
+                stages=stages, gate_on_attention=args.gate_on_attention, sharded=sharded)
     print(f"afd selftest: {args.connector}, {spec.num_attention_ranks} attention ranks, "
-          f"{spec.num_ffn_ranks} FFN ranks, {spec.steps} steps x {spec.num_layers} layers x "
-          f"{spec.stages} stages", flush=True)
+          f"{spec.num_ffn_ranks} FFN ranks ({'sharded' if sharded else 'replicated'} experts), "
+          f"{spec.steps} steps x {spec.num_layers} layers x {spec.stages} stages"
+          + (", in-order matching" if inorder.enabled() else ""), flush=True)
     results = run_world(spec)
     ok = all(r.status == "ok" for r in results)
     for r in results:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from afd_common.errors import AFDPeerError, AFDTimeoutError
+from afd_common.inorder import InOrderGroup
 
 logger = logging.getLogger("vllm.afd")
 
@@ -176,11 +177,13 @@ class PeerIO:
     peer settles our earlier sends to it at no cost. ``flush`` settles the rest with a bound.
     """
 
-    def __init__(self, group: dist.ProcessGroup, describe_rank):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, describe_rank, in_order: bool = False):
+        """``in_order``: a data plane under ``AFD_TEST_INORDER`` (``afd_common.inorder``)."""
         self._describe = describe_rank  # global rank -> "FFN rank 1" etc.
         self._pending: dict[int, list[tuple[object, torch.Tensor]]] = {}
         self.is_gloo = _backend_name(group) == "gloo"
+        self.in_order = in_order and self.is_gloo
+        self.group = InOrderGroup(group) if self.in_order else group
         self.closing = False
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
@@ -205,13 +208,15 @@ class PeerIO:
         try:
             if self.is_gloo:
                 pending.work.wait(_seconds(timeout_s))
-            else:  # pragma: no cover - NCCL/HCCL: stream-ordered; the group timeout bounds it
-                pending.work.wait()
+            else:
+                wait_device_work(pending.work, timeout_s)
         except RuntimeError as e:
             src = self._describe(pending.src)
             if is_timeout(e):
+                hint = (" -- or, under in-order matching, an operation posted earlier on this "
+                        "link never completed" if self.in_order else "")
                 raise AFDTimeoutError(f"no {pending.describe()} from {src} within {timeout_s} s "
-                                      "(is the peer alive and in the same step?)") from None
+                                      f"(is the peer alive and in the same step?{hint})") from None
             raise AFDPeerError(f"lost {src} while waiting for {pending.describe()}: "
                                f"{first_line(e)}") from None
         self._settle(pending.src, 60.0 if timeout_s is None else timeout_s)
@@ -226,8 +231,8 @@ class PeerIO:
             try:
                 if self.is_gloo:
                     work.wait(_seconds(timeout_s))
-                else:  # pragma: no cover
-                    work.wait()
+                else:
+                    wait_device_work(work, timeout_s)
             except RuntimeError as e:
                 kind = AFDTimeoutError if is_timeout(e) else AFDPeerError
                 raise kind(f"{self._describe(dst)} did not take a message we sent: "
@@ -253,6 +258,27 @@ class PeerIO:
                     if not self.closing:
                         on_lost(peer, f"lost {self._describe(peer)}: {first_line(e)}")
             threading.Thread(target=run, daemon=True, name=f"afd-watch-{peer}").start()
+
+
+def wait_device_work(work, timeout_s: float | None) -> None:
+    """Wait for NCCL/HCCL work within ``timeout_s``, on the CPU.
+
+    There ``Work.wait()`` only orders the current stream after the operation (or, with blocking
+    waits, blocks for the whole group timeout): a lost peer would surface long after the step
+    timeout. So completion is polled (the event query does not block), then ``wait()`` orders the
+    stream and raises the operation's own error, if any. When this returns, the data is there:
+    the time measured around it is the real wait, not the enqueue.
+    """
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    spins = 0
+    while not work.is_completed():
+        if end is not None and time.monotonic() > end:
+            raise RuntimeError(f"Timed out after {timeout_s} s waiting for the operation to "
+                               "complete on the device")
+        spins += 1
+        if spins > 200:
+            time.sleep(50e-6)
+    work.wait()
 
 
 def _backend_name(group) -> str:

@@ -39,7 +39,14 @@ class CAMP2pFFNConnector(CAMP2pHalf, SyncFFNConnector):
             raise op_error(e, f"hidden states of layer {layer_idx} stage {stage_idx}",
                            self._peer) from None
         got = counts.tolist()
-        if got != [n for _, n in sources]:
+        if self._owner is not None:  # sharded: the announced tokens bound what the routing sent
+            over = [(a, g, n) for (a, n), g in zip(sources, got) if g > n]
+            if over:
+                a, g, n = over[0]
+                raise AFDProtocolError(f"layer {layer_idx} stage {stage_idx}: attention rank {a} "
+                                       f"sent {g} rows, more than the {n} tokens it announced")
+            sources = tuple((a, g) for (a, _), g in zip(sources, got))
+        elif got != [n for _, n in sources]:
             raise AFDProtocolError(f"layer {layer_idx} stage {stage_idx}: the attention ranks "
                                    f"{[a for a, _ in sources]} sent {got} rows, the control "
                                    f"plane announced {[n for _, n in sources]}")

@@ -43,7 +43,8 @@ class AFDFFNRunnerMixin:
         recorder = metrics.recorder("ffn", config.connector)
         experts.on_routed = lambda layer, ids: recorder.expert_pairs(layer, ids,
                                                                      shape.num_experts)
-        self.afd_service = FFNService(config, rank, shape, experts, self.device)
+        self.afd_service = FFNService(config, rank, shape, experts, self.device,
+                                      self.vllm_config)
         self.afd_service.start()
 
 

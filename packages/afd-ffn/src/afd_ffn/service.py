@@ -19,6 +19,7 @@ from afd_common.config import AFDConfig
 from afd_common.errors import AFDError
 from afd_common import lifecycle
 from afd_common.metadata import ModelShape
+from afd_common.model_thread import enter_model_thread
 from afd_common.registry import resolve_connector
 
 from afd_ffn.async_runner import AsyncFFNRunner
@@ -28,8 +29,10 @@ logger = logging.getLogger("vllm.afd")
 
 
 class FFNService:
-    def __init__(self, config: AFDConfig, rank: int, shape: ModelShape, compute, device):
+    def __init__(self, config: AFDConfig, rank: int, shape: ModelShape, compute, device,
+                 vllm_config=None):
         self.config, self.rank, self.shape = config, rank, shape
+        self.vllm_config = vllm_config
         self.compute = compute
         self.device = device
         self.state = "starting"
@@ -44,6 +47,7 @@ class FFNService:
 
     def _run(self) -> None:
         try:
+            enter_model_thread(self.vllm_config, self.device)
             self.state = "connecting"
             logger.info("AFD FFN rank %d: waiting for the attention role on %s:%d",
                         self.rank, self.config.host, self.config.port)

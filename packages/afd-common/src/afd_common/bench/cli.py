@@ -164,12 +164,15 @@ class Bench:
         name = f"afd_m{m}"
         port = free_port()
         extra = {"connector": a.connector, "compute_gate_on_attention": a.gate_on_attention,
-                 "connector_extra_config": {"num_micro_batches": m}}
+                 "num_ffn_ranks": a.ffn_ranks, "connector_extra_config": {"num_micro_batches": m}}
+        placement = ["--enable-expert-parallel"] if a.sharded else []
+        ffn_dp = ["--data-parallel-size", str(a.ffn_ranks)] if a.ffn_ranks > 1 else []
         ffn = Server(f"{name}-ffn", self.model, free_port(), self.logs / f"{name}-ffn.log",
-                     args=self.server_args + afd_args("ffn", port, **extra))
+                     args=self.server_args + afd_args("ffn", port, **extra) + ffn_dp + placement)
         attention = Server(f"{name}-attention", self.model, free_port(),
                            self.logs / f"{name}-attention.log",
-                           args=self.server_args + afd_args("attention", port, **extra))
+                           args=self.server_args + afd_args("attention", port, **extra)
+                           + placement)
         t0 = time.monotonic()
         try:
             self._start(ffn, self.cores["ffn"])
@@ -189,6 +192,10 @@ class Bench:
         if missing:
             print(f"warning: {name}: no data for {', '.join(missing)} on /metrics; "
                   "those fields are null", file=sys.stderr, flush=True)
+        if breakdown["rows_per_ffn_rank"]:
+            print(f"{name}: rows per FFN rank {breakdown['rows_per_ffn_rank']}, imbalance "
+                  f"(max / mean) {breakdown['ffn_rank_imbalance']:.2f}", file=sys.stderr,
+                  flush=True)
         return {**summary, **breakdown, "startup_s": startup, "num_micro_batches": m,
                 "cores": {"attention": attention.cores, "ffn": ffn.cores}, "omp_threads": 1,
                 "missing_metrics": missing}

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--connector", default="P2pAFDConnector")
     f.add_argument("--gate-on-attention", action="store_true",
                    help="compute_gate_on_attention: true")
+    f.add_argument("--ffn-ranks", type=int, default=1,
+                   help="FFN ranks (the FFN role's --data-parallel-size), all on the FFN core")
+    f.add_argument("--sharded", action="store_true",
+                   help="shard the experts over the FFN ranks (--enable-expert-parallel on both "
+                   "roles; implies --gate-on-attention)")
     ap.add_argument("--kv-cache-gib", type=float, default=0.5,
                     help="KV cache per server (--kv-cache-memory-bytes), default 0.5")
     ap.add_argument("--ready-timeout", type=float, default=600,
@@ -79,6 +84,10 @@ def parse_args(argv):
         ap.error(f"bad --micro-batches or --cores: {e}")
     if len(args.core_list) != 2 or len(set(args.core_list)) != 2:
         ap.error("--cores takes two different cores, e.g. 0,1")
+    if args.ffn_ranks < 1:
+        ap.error("--ffn-ranks must be >= 1")
+    if args.sharded:
+        args.gate_on_attention = True
     if args.kv_cache_gib <= 0:
         ap.error("--kv-cache-gib must be > 0")
     if any(m < 1 for m in args.mb_list):

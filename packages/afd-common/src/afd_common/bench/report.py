@@ -40,7 +40,8 @@ COLUMNS = [("config", None, 0), ("tok/s", "tokens_per_s", 1), ("vs coloc", "rati
            ("TPOT p50", "tpot_p50_ms", 1), ("TPOT p99", "tpot_p99_ms", 1),
            ("t_a", "t_a_ms", 3), ("t_e", "t_e_ms", 3), ("t_c", "t_c_ms", 3),
            ("rtt", "roundtrip_ms", 3), ("step", "t_step_ms", 1), ("eta", "eta", 2),
-           ("B/step", "bytes_per_step", 0), ("start s", "startup_s", 0)]
+           ("B/step", "bytes_per_step", 0), ("imbal", "ffn_rank_imbalance", 2),
+           ("start s", "startup_s", 0)]
 
 
 def table(results: dict[str, dict]) -> str:

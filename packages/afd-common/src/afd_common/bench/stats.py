@@ -168,4 +168,18 @@ def afd_breakdown(scrapes: dict[str, tuple[list, list]], m: int,
     sent, received = out["bytes_sent_per_step"], out["bytes_received_per_step"]
     out["bytes_per_step"] = None if sent is None or received is None else sent + received
     out["eta"] = eta(m, moe_layers, out["t_a_ms"], out["t_e_ms"], out["t_step_ms"])
+    out["rows_per_ffn_rank"], out["ffn_rank_imbalance"] = ffn_rank_load(*scrapes.get("ffn",
+                                                                                     ([], [])))
     return out, missing
+
+
+def ffn_rank_load(before: list, after: list) -> tuple[list[int], float | None]:
+    """Rows each FFN rank received in the window (``afd_routed_rows_total``), and the imbalance
+    max / mean over the ranks (1.0: perfectly even); ([], None) without the series."""
+    ranks = sorted({int(s.labels["ffn_rank"]) for s in after
+                    if s.name == "afd_routed_rows_total" and "ffn_rank" in s.labels})
+    rows = [int(prom.delta(before, after, "afd_routed_rows_total", role="ffn",
+                           ffn_rank=str(f)) or 0) for f in ranks]
+    if not rows or not sum(rows):
+        return rows, None
+    return rows, max(rows) / (sum(rows) / len(rows))

@@ -7,6 +7,7 @@ section fail in the API server, before any engine process or socket exists.
 
 from __future__ import annotations
 
+import logging
 import os
 from importlib.metadata import entry_points
 
@@ -16,12 +17,24 @@ from afd_common.errors import AFDConfigError
 from afd_common.patching import PatchSet
 from afd_common.vllm_model import expert_placement
 
+logger = logging.getLogger("vllm.afd")
+
 WORKERS = {
     ("cpu", "attention"): "afd_attention.cpu_worker.AFDAttentionCPUWorker",
     ("cpu", "ffn"): "afd_ffn.cpu_worker.AFDFFNCPUWorker",
     ("cuda", "attention"): "afd_attention.gpu_worker.AFDAttentionGPUWorker",
     ("cuda", "ffn"): "afd_ffn.gpu_worker.AFDFFNGPUWorker",
 }
+
+
+# Honest about Ascend: the AFD workers subclass a platform's vLLM worker, and no vllm-ascend
+# release supports the vLLM this afd is built on. The ops and both CAM connectors are tested on CPU.
+NO_NPU_WORKER = ("no AFD worker for Ascend NPUs yet: the AFD workers extend vllm-ascend's NPU "
+                 "worker, and no vllm-ascend release supports vLLM 0.32 (the newest, 0.23.0.post1, "
+                 "pins vLLM 0.23 with torch 2.10 / torch-npu 2.10). AFD on an NPU needs a "
+                 "vllm-ascend built for vLLM 0.32 with torch 2.13 and torch-npu 2.13; until then "
+                 "run the roles on CPU or CUDA (the afd_ascend ops and the CAM connectors run on "
+                 "CPU with ops_backend \"portable\")")
 
 
 def _device_kind() -> str:
@@ -56,6 +69,8 @@ def before(vllm_config, afd: AFDConfig) -> None:
         _check_async_dp(afd, kind)
     if parallel.worker_cls == "auto":
         worker = WORKERS.get((kind, afd.role))
+        if kind == "npu":
+            raise AFDConfigError("role", afd.role, NO_NPU_WORKER)
         if worker is None:
             raise AFDConfigError("role", afd.role, f"no AFD worker for the {kind!r} platform in "
                                  "this version (CPU and CUDA are supported)")
@@ -102,6 +117,50 @@ def after(vllm_config, afd: AFDConfig) -> None:
     if afd.is_ffn:
         # No attention layers -> no cacheable KV groups; the hybrid coordinator would assert.
         vllm_config.cache_config.enable_prefix_caching = False
+    cuda_graph_policy(vllm_config.compilation_config, afd)
+
+
+REMOTE_EXPERTS_OP = "afd::remote_experts"
+
+
+def cuda_graph_policy(compilation, afd: AFDConfig) -> None:
+    """Where CUDA graphs are safe in AFD, decided once vLLM has resolved its own modes.
+
+    Attention role: a captured graph replays kernels, not Python. The remote call
+    (``afd::remote_experts``) sends and receives through the connector, which keeps a step frame
+    and per-call bookkeeping (and whose peer runs its own schedule), so it must stay outside every
+    graph: it becomes a splitting op, and piecewise graphs are captured around it. Full graphs
+    (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE) would capture it, so they are downgraded to
+    PIECEWISE (with compilation) or NONE (without), with one log line saying why.
+
+    FFN role: its experts run per work item outside any vLLM forward, on batch sizes the
+    attention side chooses; it runs eager (no compilation, no graphs).
+    """
+    from vllm.config import CUDAGraphMode
+    from vllm.config.compilation import CompilationMode
+
+    mode = compilation.cudagraph_mode
+    if afd.is_ffn:
+        if mode != CUDAGraphMode.NONE or compilation.mode != CompilationMode.NONE:
+            logger.info("AFD FFN role: runs its experts eagerly per work item; CUDA graphs and "
+                        "compilation off (was cudagraph_mode=%s)", mode.name)
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        compilation.mode = CompilationMode.NONE
+        return
+    if mode == CUDAGraphMode.NONE:
+        return
+    piecewise = compilation.mode == CompilationMode.VLLM_COMPILE
+    if piecewise:
+        ops = list(compilation.splitting_ops or [])
+        if REMOTE_EXPERTS_OP not in ops:
+            compilation.splitting_ops = ops + [REMOTE_EXPERTS_OP]
+    if mode.has_full_cudagraphs():
+        downgrade = CUDAGraphMode.PIECEWISE if piecewise else CUDAGraphMode.NONE
+        logger.warning("AFD attention role: cudagraph_mode %s would capture the remote expert "
+                       "call (a send and receive through the connector) inside a CUDA graph; "
+                       "using %s, with graphs split around %s", mode.name, downgrade.name,
+                       REMOTE_EXPERTS_OP)
+        compilation.cudagraph_mode = downgrade
 
 
 def build() -> PatchSet:
