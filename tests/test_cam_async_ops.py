@@ -438,7 +438,14 @@ def _total(res, key, ranks):
     return sum(res[r].get(key, 0) for r in ranks)
 
 
-def test_async_ops_tp1_layers_capacity_quant_stop_and_bad_input():
+@pytest.mark.parametrize("inorder", [False, pytest.param(True, marks=pytest.mark.inorder)],
+                         ids=["tagged", "inorder"])
+def test_async_ops_tp1_layers_capacity_quant_stop_and_bad_input(inorder, monkeypatch):
+    """Also under in-order matching (AFD_TEST_INORDER, as on HCCL): the MoE rank re-posts an
+    attention rank's header receive only after returning its rows (or at once without rows, or
+    after a failed call), so no combine ever queues behind a receive that cannot complete."""
+    if inorder:
+        monkeypatch.setenv("AFD_TEST_INORDER", "1")
     res = run_ok(tp=1)
     att, moe_ranks = range(A), range(A, WORLD)
     # What the attention ranks checked is what the MoE ranks served (rows x top_k).

@@ -90,8 +90,12 @@ def _a2e_e2a_rank(rank, group, A, F):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("A,F", [(1, 1), (2, 1), (4, 2)], ids=["1A1F", "2A1F", "4A2F"])
-def test_a2e_e2a_move_rows_exactly(A, F):
+@pytest.mark.parametrize("A,F,inorder", [(1, 1, False), (2, 1, False), (4, 2, False),
+                                         pytest.param(4, 2, True, marks=pytest.mark.inorder)],
+                         ids=["1A1F", "2A1F", "4A2F", "4A2F-inorder"])
+def test_a2e_e2a_move_rows_exactly(A, F, inorder, monkeypatch):
+    if inorder:  # HCCL's in-order matching, emulated on Gloo by the kernels' lanes
+        monkeypatch.setenv("AFD_TEST_INORDER", "1")
     checked = run_op_world(_a2e_e2a_rank, A + F, A, F)
     sent = sum(rows_of(a, s) for a in range(A) for s, *_ in steps())
     assert sum(checked[F:]) == sum(checked[:F]) == sent > 0
@@ -145,8 +149,12 @@ def _a2e_e2a_m2n_rank(rank, group, A, F):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("A,F", [(1, 2), (2, 3)], ids=["1A2F", "2A3F"])
-def test_a2e_e2a_sharded_experts_m2n(A, F):
+@pytest.mark.parametrize("A,F,inorder", [(1, 2, False), (2, 3, False),
+                                         pytest.param(2, 3, True, marks=pytest.mark.inorder)],
+                         ids=["1A2F", "2A3F", "2A3F-inorder"])
+def test_a2e_e2a_sharded_experts_m2n(A, F, inorder, monkeypatch):
+    if inorder:
+        monkeypatch.setenv("AFD_TEST_INORDER", "1")
     checked = run_op_world(_a2e_e2a_m2n_rank, A + F, A, F)
     assert sum(checked[F:]) == sum(checked[:F]) > 0
 

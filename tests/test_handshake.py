@@ -32,6 +32,23 @@ def test_mismatch_refused_by_both_sides(changes, field):
         assert all(r.seconds < 30 for r in results)
 
 
+@pytest.mark.parametrize("ffn_changes,field", [
+    ({"sharded": True}, "expert_placement"),
+    ({"num_experts": 9}, "num_experts"),
+], ids=["placement", "num_experts"])
+def test_placement_mismatch_refused_by_both_sides(ffn_changes, field):
+    """2 FFN ranks: the attention role replicated, the FFN role sharded (or another expert
+    count): refused before any tensor moves, naming the field."""
+    spec = Spec(1, 2, steps=1, gate_on_attention=True, timeout_s=15, ffn_changes=ffn_changes)
+    results = run_world(spec, deadline_s=60)
+    for key, (status, detail) in errors(results).items():
+        assert status == "error", (key, detail)
+        # FFN rank 1 may reach the rendezvous only after FFN rank 0 refused and closed it: it
+        # then fails on its own bound, not with the field (a rank that said hello is told).
+        if key != ("ffn", 1) or "no AFD rendezvous" not in detail:
+            assert "AFDHandshakeError" in detail and f"'{field}' differs" in detail, detail
+
+
 def test_wrong_auth_token_refused_and_never_logged():
     spec = Spec(1, 1, steps=1, timeout_s=20, extra={"auth_token": "right-token-123"},
                 ffn_changes={"extra": {"auth_token": "wrong-token-456"}})

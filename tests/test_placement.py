@@ -81,6 +81,21 @@ def test_refusals_name_the_field_on_both_roles(role, ep, eplb, gate, field):
         _check_placement(cfg, parse_afd_config(afd))
 
 
+def test_attention_role_keeps_the_placement_but_not_vllms_expert_parallelism():
+    """The attention role holds no routed experts: vLLM's EP is switched off there (an async-DP
+    attention engine is not MoE for vLLM, which would refuse it), the placement is kept."""
+    from afd_common.patches.vllm_config import _check_placement
+    from afd_common.vllm_model import expert_placement
+
+    afd = {"role": "attention", "num_ffn_ranks": 2, "compute_gate_on_attention": True}
+    cfg = _vllm_config(afd, ep=True)
+    _check_placement(cfg, parse_afd_config(afd))
+    assert cfg.parallel_config.enable_expert_parallel is False
+    assert expert_placement(cfg, 2).sharded
+    _check_placement(cfg, parse_afd_config(afd))  # vLLM completes the config again per engine
+    assert expert_placement(cfg, 2).owners == (0, 0, 0, 0, 1, 1, 1)
+
+
 def test_sharded_with_gate_on_attention_and_replicated_pass():
     from afd_common.patches.vllm_config import _check_placement
 

@@ -167,3 +167,23 @@ def test_bad_rank_and_role_are_refused_before_any_socket():
 def test_bad_spec_fails_before_spawning():
     with pytest.raises(AFDConfigError, match="num_ffn_ranks"):
         run_world(Spec(1, 0))
+
+
+def test_ffn_side_refuses_a_step_larger_than_its_own_limit():
+    """A peer that passed the handshake cannot make the FFN side size its receives: a step
+    announcing more tokens than this role's max_num_tokens is refused before any allocation."""
+    from afd_common.contract import StepPlan
+    from afd_common.errors import AFDProtocolError
+
+    shape = ModelShape(hidden_size=16, dtype=torch.float32, num_layers=1, moe_layers=(0,),
+                       max_num_tokens=64)
+    cfg = parse_afd_config({"role": "ffn", "port": 1, "num_attention_ranks": 2})
+    conn = resolve_connector("P2pAFDConnector", "ffn")(cfg, 0, shape)
+    ok = StepPlan(0, {0: StepMetadata(0, StepKind.RUN, (32, 32)),
+                      1: StepMetadata(0, StepKind.RUN, (0, 64))})
+    conn.on_step(ok)
+    huge = StepPlan(1, {0: StepMetadata(1, StepKind.RUN, (1, 2**40)),
+                        1: StepMetadata(1, StepKind.RUN, (0, 1))})
+    with pytest.raises(AFDProtocolError, match="attention rank 0 announced .* more than "
+                                               "max_num_tokens 64"):
+        conn.on_step(huge)

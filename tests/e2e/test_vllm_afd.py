@@ -76,19 +76,21 @@ class Case:
 # Every case is one server pair; each exists for a reason. Micro-batching (m = 2, 3) rides on
 # cases that exist anyway: the answers must not change with m. Expert counts: DeepSeek-V2 8,
 # Qwen3-MoE 7 (conftest.NUM_EXPERTS), so F = 2 on Qwen3 and F = 3 on DeepSeek do not divide them.
+# DeepSeek-V2 with the gate on the FFN role is served in test_reliability (64 mixed requests);
+# A > F with replicated experts by the multi-process tests.
 CASES = [
-    # 2 attention ranks : 1 FFN rank, which serves both (and the idle rank's dummy steps).
-    Case("deepseek_v2", False, A=2, m=2),
-    Case("qwen3_moe", True, m=3),
-    # The README's scale-out recipe: 2 FFN ranks each holding every expert in full.
+    # The README's scale-out recipe: 2 FFN ranks each holding every expert in full (the gate on
+    # the FFN role; the first round's recipe failed here: vLLM made it tensor-parallel).
     Case("qwen3_moe", False, F=2, m=2),
-    # Experts sharded over the FFN ranks: M2N dispatch from the attention side.
-    Case("qwen3_moe", True, F=2, sharded=True),
+    # Experts sharded over the FFN ranks: M2N dispatch from the attention side, A < F with 3
+    # micro-batches, A = F over P2P under in-order matching (AFD_TEST_INORDER, as on NCCL), and
+    # 3 FFN ranks with an uneven share on DeepSeek-V2.
+    Case("qwen3_moe", True, F=2, m=3, sharded=True),
     Case("qwen3_moe", True, A=2, F=2, sharded=True, inorder=True),
     Case("deepseek_v2", True, F=3, m=2, sharded=True),
-    # The CAM connectors move the rows through the afd_ascend ops (portable kernels over Gloo);
-    # CAMAsync with async DP, the FFN role's receive loop as the clock, experts sharded.
-    # Both under in-order matching (AFD_TEST_INORDER), as on HCCL.
+    # The CAM connectors move the rows through the afd_ascend ops (portable kernels over Gloo),
+    # both under in-order matching, as on HCCL: CAMP2p sharded (M2N through a2e/e2a), CAMAsync
+    # with async DP and the FFN role's receive loop as the clock.
     Case("qwen3_moe", True, A=2, F=2, connector="CAMP2pAFDConnector", m=2, sharded=True,
          inorder=True),
     Case("deepseek_v2", True, A=2, F=2, connector="CAMAsyncAFDConnector", sharded=True,

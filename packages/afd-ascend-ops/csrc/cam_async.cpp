@@ -297,6 +297,25 @@ void post_header(RecvStream& s, const World& w, int64_t src, const at::TensorOpt
   s.hdr[src] = std::move(h);
 }
 
+// Re-posts the header receives of `ranks` (whose rows were owed) when a dispatch_recv call
+// fails after consuming their headers; emptied on success.
+struct RepostOnError {
+  RecvStream& s;
+  const World& w;
+  at::TensorOptions opts;
+  std::vector<int64_t> ranks;
+  ~RepostOnError() {
+    for (auto a : ranks) {
+      if (s.owed[a] <= 0 || s.hdr[a]) continue;
+      s.owed[a] = 0;
+      try {
+        post_header(s, w, a, opts);
+      } catch (...) {  // the receive of a lost peer: the next call reports it
+      }
+    }
+  }
+};
+
 std::shared_ptr<RecvStream> stream_of(const char* op, const World& w) {
   std::shared_ptr<RecvStream> s;
   {
@@ -516,10 +535,14 @@ std::vector<at::Tensor> dispatch_recv(const at::Tensor& x, const at::Tensor& com
     }
     return out;
   }
-  for (int64_t m = 0; m < tp; ++m) {  // keep the stream posted (see above for when)
+  // Keep the stream posted (see above for when). If this call fails from here on, no rows will
+  // be returned for this dispatch: re-post at once so the stream stays usable.
+  RepostOnError repost{*s, w, opts};
+  for (int64_t m = 0; m < tp; ++m) {
     if (mem[m].stop) continue;
     if (mem[m].rows > 0) {
       s->owed[g * tp + m] = mem[m].rows;
+      repost.ranks.push_back(g * tp + m);
     } else {
       post_header(*s, w, g * tp + m, opts);
     }
@@ -633,6 +656,7 @@ std::vector<at::Tensor> dispatch_recv(const at::Tensor& x, const at::Tensor& com
   }
   for (size_t i = 1; i < items.size(); ++i)
     s->queue.push_back({std::move(items[i]), cap, x.scalar_type(), dynamic_quant});
+  repost.ranks.clear();  // delivered: combine_send re-posts once the rows are returned
   return items[0];
 }
 

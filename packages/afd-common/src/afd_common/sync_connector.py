@@ -15,6 +15,7 @@ import torch
 from afd_common.attention_half import AttentionHalf
 from afd_common.contract import ControlPlane, FFNConnector, StepPlan
 from afd_common.control_plane import GlooControlPlane
+from afd_common.errors import AFDProtocolError
 from afd_common.metadata import LayerCall, StepKind, StepMetadata
 from afd_common.transport import PeerIO
 from afd_common.world import AFDWorld
@@ -104,6 +105,14 @@ class SyncFFNConnector(_SyncHalf, FFNConnector):
         self._sources: list[tuple[tuple[int, int], ...]] = []
 
     def on_step(self, plan: StepPlan) -> None:
+        # A peer's counts are checked against this role's own limit before anything is sized by
+        # them (both roles run the same --max-num-batched-tokens; the handshake compares it).
+        for a, meta in plan.per_source.items():
+            if sum(meta.stage_tokens) > self.shape.max_num_tokens:
+                raise AFDProtocolError(
+                    f"attention rank {a} announced {sum(meta.stage_tokens)} tokens for step "
+                    f"{meta.step} (stage_tokens {list(meta.stage_tokens)[:8]}), more than "
+                    f"max_num_tokens {self.shape.max_num_tokens}")
         self._plan = plan
         # (attention rank, rows) per stage, in batch order: the same for every layer of the step.
         self._sources = [tuple((link.attention_rank, self.topology.chunk_rows(

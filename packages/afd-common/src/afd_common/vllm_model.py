@@ -34,14 +34,25 @@ def _first_attr(config, keys: tuple[str, ...]) -> int | None:
     return None
 
 
+# The attention role's --enable-expert-parallel, kept here once its vLLM flag is switched off
+# (afd_common.patches.vllm_config): it holds no routed experts for vLLM to place.
+ATTENTION_EP_KEY = "afd_attention_expert_parallel"
+
+
+def expert_parallel_requested(vllm_config) -> bool:
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    return bool(vllm_config.parallel_config.enable_expert_parallel
+                or additional.get(ATTENTION_EP_KEY))
+
+
 def expert_placement(vllm_config, num_ffn_ranks: int) -> ExpertPlacement:
     """The placement this role's vLLM flags ask for, from the model config alone (known before
     the model is built, which the FFN role needs to build only its share)."""
     hf = vllm_config.model_config.hf_text_config
     parallel = vllm_config.parallel_config
     return placement_for(_first_attr(hf, _NUM_EXPERTS_KEYS) or 0, num_ffn_ranks,
-                         parallel.enable_expert_parallel, parallel.expert_placement_strategy,
-                         _first_attr(hf, _NUM_GROUPS_KEYS))
+                         expert_parallel_requested(vllm_config),
+                         parallel.expert_placement_strategy, _first_attr(hf, _NUM_GROUPS_KEYS))
 
 
 def model_shape(vllm_config, moe_runners: dict[int, object],

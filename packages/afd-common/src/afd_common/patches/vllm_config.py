@@ -15,7 +15,7 @@ from afd_common import lifecycle
 from afd_common.config import AFDConfig, afd_config_from_vllm
 from afd_common.errors import AFDConfigError
 from afd_common.patching import PatchSet
-from afd_common.vllm_model import expert_placement
+from afd_common.vllm_model import ATTENTION_EP_KEY, expert_placement
 
 logger = logging.getLogger("vllm.afd")
 
@@ -92,6 +92,13 @@ def _check_placement(vllm_config, afd: AFDConfig) -> None:
         raise AFDConfigError("enable_eplb", True, "AFD places the routed experts on the FFN ranks "
                              "itself (afd_common.placement); run without --enable-eplb")
     placement = expert_placement(vllm_config, afd.num_ffn_ranks)
+    if afd.is_attention and vllm_config.parallel_config.enable_expert_parallel:
+        # The attention role holds no routed experts, so vLLM's expert parallelism has nothing to
+        # place there (and an async-DP attention engine is not MoE for vLLM, which then refuses
+        # the flag). What the flag asks for is the placement the attention side routes by: keep
+        # that, switch vLLM's off.
+        vllm_config.additional_config[ATTENTION_EP_KEY] = True
+        vllm_config.parallel_config.enable_expert_parallel = False
     if placement.sharded and not afd.compute_gate_on_attention:
         raise AFDConfigError("compute_gate_on_attention", False,
                              "with --enable-expert-parallel and num_ffn_ranks > 1 the routed "
