@@ -55,3 +55,42 @@ def test_openmetrics_rendering_leaves_the_eof_to_the_response_it_joins():
     text = metrics.render([rec.snapshot()], openmetrics=True).decode()
     assert "afd_wait_seconds_count" in text and "afd_bytes_total" in text
     assert "# EOF" not in text
+
+
+def test_device_timer_observes_completed_work_without_synchronizing(monkeypatch):
+    """On CUDA the FFN compute is timed with events, read once the GPU passed them; a query
+    that says 'not yet' defers the observation instead of blocking."""
+    import torch
+
+    from afd_common.metrics import DeviceTimer
+
+    clock = {"t": 0.0, "done_until": 0.0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            self.at = clock["t"]
+
+        def query(self):
+            return self.at <= clock["done_until"]
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1000.0
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    seen = []
+    timer = DeviceTimer(torch.device("cuda", 1))
+    start = timer.start()
+    clock["t"] = 0.25
+    timer.stop(start, seen.append)  # the GPU is not there yet: nothing observed
+    assert seen == []
+    clock["done_until"], clock["t"] = 1.0, 1.0
+    start = timer.start()
+    clock["t"] = 1.5
+    timer.stop(start, seen.append)  # the first pair completed; the second not yet
+    assert seen == [0.25]
+    cpu = DeviceTimer(torch.device("cpu"))
+    cpu.stop(cpu.start(), seen.append)
+    assert len(seen) == 2 and 0 <= seen[1] < 1

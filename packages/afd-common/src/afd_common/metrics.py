@@ -116,6 +116,42 @@ class Recorder:
         return {str(f): n for f, n in sorted(out.items()) if n}
 
 
+class DeviceTimer:
+    """Times device work as completed work: CUDA events on CUDA (read back once the GPU passed
+    them, never by synchronizing), the wall clock elsewhere, where kernels run synchronously."""
+
+    def __init__(self, device):
+        self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self._pending: list = []
+
+    def start(self):
+        if not self.cuda:
+            import time
+
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started, observe) -> None:
+        """``observe(seconds)`` now (CPU) or once the device has finished the work (CUDA)."""
+        if not self.cuda:
+            import time
+
+            observe(time.perf_counter() - started)
+            return
+        import torch
+
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((started, end, observe))
+        while self._pending and self._pending[0][1].query():
+            begin, finish, obs = self._pending.pop(0)
+            obs(begin.elapsed_time(finish) / 1000.0)
+
+
 _recorder: Recorder | None = None
 _lock = threading.Lock()
 

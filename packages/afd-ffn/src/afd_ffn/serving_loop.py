@@ -24,6 +24,7 @@ class ServingLoop(abc.ABC):
         self.connector = connector
         self.compute = compute
         self.metrics = metrics.recorder("ffn", connector.config.connector)
+        self._timer = metrics.DeviceTimer(connector.device)
         self.steps_done = 0
         self.last_step_at: float | None = None
 
@@ -39,9 +40,9 @@ class ServingLoop(abc.ABC):
         rec = self.metrics
         rec.routed(self.connector.local_rank, item.num_tokens)
         if item.num_tokens:
-            start = time.perf_counter()
+            start = self._timer.start()
             out = self.compute(item, plan)
-            rec.ffn_compute(time.perf_counter() - start)
+            self._timer.stop(start, rec.ffn_compute)
         else:
             out = item.hidden_states.new_empty(0, item.hidden_states.shape[1])
         self.connector.send_ffn_output(out, item)
