@@ -197,6 +197,24 @@ def _entry(role: str, spec: Spec, rank: int, q) -> None:
 
 
 def free_port() -> int:
+    """A port free now, from below the kernel's ephemeral range: the port is bound later by
+    another process, and a port the kernel hands out (bind to 0) could meanwhile be handed to
+    someone else -- vLLM, ZMQ and Gloo take many ephemeral ports while a role starts."""
+    import random
+
+    low = 32768
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(200):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
