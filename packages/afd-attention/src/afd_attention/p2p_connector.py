@@ -66,7 +66,7 @@ class P2pAttentionConnector(SyncAttentionConnector):
             sel = (owners == f).any(dim=1).nonzero().squeeze(1)
             n = sel.numel()
             dst = self.topology.ffn_global_rank(f)
-            net.data.isend(torch.tensor([n], dtype=torch.int64), dst, ctag)
+            net.data.isend(torch.tensor([n], dtype=torch.int64, device=hidden.device), dst, ctag)
             if n:
                 net.data.isend(pack(hidden.index_select(0, sel), topk_ids.index_select(0, sel),
                                     topk_weights.index_select(0, sel)), dst, tag)

@@ -62,7 +62,9 @@ class P2pFFNConnector(SyncFFNConnector):
         rank announced for the stage."""
         net, ctag = self._net, count_tag(layer_idx, stage_idx)
         what = ("the row count of layer {} stage {}", layer_idx, stage_idx)
-        posted = [(a, bound, net.data.irecv(torch.empty(1, dtype=torch.int64),
+        # On the data plane's device (NCCL moves device tensors); reading it back is the one
+        # host sync a sharded layer needs: the rows' receive is posted with their size.
+        posted = [(a, bound, net.data.irecv(torch.empty(1, dtype=torch.int64, device=self.device),
                                             self.topology.attention_global_rank(a), ctag, what))
                   for a, bound in bounds]
         out = []
