@@ -15,6 +15,7 @@ from afd_ffn.async_runner import AsyncFFNRunner
 class FakeAsyncFFN:
     control_plane = None
     local_rank = 0
+    device = torch.device("cpu")
     config = SimpleNamespace(connector="FakeAsyncConnector")
 
     def __init__(self, items):
