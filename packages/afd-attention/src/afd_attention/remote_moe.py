@@ -9,6 +9,9 @@ Where each part of an MoE block runs:
 | dense MLPs (DeepSeek's first layers) | yes         | no       |
 | shared experts                    | yes            | no       |
 | gate + top-k routing              | if ``compute_gate_on_attention`` | otherwise |
+
+A model that computes its router logits itself (Mixtral, ...: ``afd_common.models``) routes on
+the attention role only.
 | routed experts (weighted by top-k) | no            | yes      |
 | ``routed_scaling_factor``, + shared | yes          | no       |
 
@@ -79,7 +82,9 @@ class AFDAttentionMoERunner(MoERunner):
     def forward(self, hidden_states, router_logits, input_ids=None, shared_experts_input=None):
         x = hidden_states
         if afd_session.current().gate_on_attention:
-            logits, _ = self.gate(x)
+            # As vLLM's runner: its own gate when the model handed it one, else the model's
+            # logits (afd_common.models refuses the gate on the FFN role for such a model).
+            logits = router_logits if self.gate is None else self.gate(x)[0]
             topk_weights, topk_ids = self.router.select_experts(
                 hidden_states=x, router_logits=logits, topk_indices_dtype=None,
                 input_ids=input_ids)

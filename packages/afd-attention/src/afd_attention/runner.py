@@ -18,6 +18,7 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.worker.ubatch_utils import UBatchSlice
 
 from afd_common.config import afd_config_from_vllm
+from afd_common.models import check_router
 from afd_common import lifecycle
 from afd_common.registry import resolve_connector
 from afd_common.model_thread import enter_model_thread
@@ -54,6 +55,7 @@ class AFDAttentionRunnerMixin:
                    if isinstance(m, AFDAttentionMoERunner)}
         shape = model_shape(self.vllm_config, runners,
                             expert_placement(self.vllm_config, config.num_ffn_ranks))
+        check_router(self.vllm_config, runners, config.compute_gate_on_attention)
         # The DP index survives async DP, where each engine is reconfigured as DP rank 0 of 1.
         rank = self.vllm_config.parallel_config.data_parallel_index
         connector = resolve_connector(config.connector, "attention")(config, rank, shape,

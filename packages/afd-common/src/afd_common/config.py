@@ -139,6 +139,8 @@ class AFDConfig:
     num_ffn_ranks: int = 1
     compute_gate_on_attention: bool = False
     async_dp: bool = False
+    # Serve an architecture missing from afd_common.models.ARCHITECTURES (logged as a warning).
+    allow_untested_model: bool = False
     extra: ExtraConfig = field(default_factory=ExtraConfig)
 
     @property
@@ -154,7 +156,7 @@ class AFDConfig:
 
 
 KEYS = ("role", "connector", "host", "port", "num_attention_ranks", "num_ffn_ranks",
-        "compute_gate_on_attention", "async_dp", "connector_extra_config")
+        "compute_gate_on_attention", "async_dp", "allow_untested_model", "connector_extra_config")
 
 
 def _canonical_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -193,6 +195,7 @@ def parse_afd_config(raw: Any, *, resolve_connector: bool = True) -> AFDConfig:
     num_f = _check_int("num_ffn_ranks", values.get("num_ffn_ranks", 1), 1, 4096)
     gate = _check_bool("compute_gate_on_attention", values.get("compute_gate_on_attention", False))
     async_dp = _check_bool("async_dp", values.get("async_dp", False))
+    untested = _check_bool("allow_untested_model", values.get("allow_untested_model", False))
 
     connector_cls = None
     connector_keys: frozenset[str] = frozenset()
@@ -212,7 +215,8 @@ def parse_afd_config(raw: Any, *, resolve_connector: bool = True) -> AFDConfig:
                                  "carries top-k routing and needs the gate on attention")
     return AFDConfig(role=role, connector=connector, host=host, port=port,
                      num_attention_ranks=num_a, num_ffn_ranks=num_f,
-                     compute_gate_on_attention=gate, async_dp=async_dp, extra=extra)
+                     compute_gate_on_attention=gate, async_dp=async_dp,
+                     allow_untested_model=untested, extra=extra)
 
 
 def afd_config_from_vllm(vllm_config: Any) -> AFDConfig | None:

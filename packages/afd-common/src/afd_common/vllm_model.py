@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 from afd_common.metadata import ModelShape
+from afd_common.models import ARCHITECTURES, is_routed_expert
 from afd_common.placement import ExpertPlacement, placement_for
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -61,8 +62,8 @@ def model_shape(vllm_config, moe_runners: dict[int, object],
     if not moe_runners:
         arch = ",".join(getattr(vllm_config.model_config.hf_config, "architectures", []) or [])
         raise ValueError(f"model {arch or vllm_config.model_config.model} has no MoE layer AFD "
-                         "can disaggregate (supported: DeepSeek-V2/V3, Qwen3-MoE and other "
-                         "models built on vLLM's FusedMoE)")
+                         "can disaggregate (AFD serves models built on vLLM's FusedMoE: "
+                         f"{', '.join(ARCHITECTURES)})")
     hf = vllm_config.model_config.hf_text_config
     any_runner = next(iter(moe_runners.values()))
     moe = any_runner.moe_config
@@ -84,18 +85,18 @@ def model_shape(vllm_config, moe_runners: dict[int, object],
 
 
 def weight_category(name: str) -> str:
-    if "self_attn" in name:
+    if "self_attn" in name or ".attn." in name:
         return "attention"
-    if "embed_tokens" in name:
+    if any(part.startswith("embed") for part in name.split(".")):  # embed_tokens, embedding
         return "embedding"
     if "lm_head" in name:
         return "lm_head"
     if "shared_expert" in name:
         return "shared_experts"
-    if "routed_experts" in name or ".experts." in name or name.endswith(("w13_weight",
-                                                                        "w2_weight")):
+    if is_routed_expert(name) or name.endswith(("w13_weight", "w2_weight")):
         return "routed_experts"
-    if ".gate." in name or name.endswith(("gate.weight", "e_score_correction_bias")):
+    if (".gate." in name or ".router." in name
+            or name.endswith(("gate.weight", "e_score_correction_bias"))):
         return "gate"
     if ".mlp." in name:
         return "dense_mlp"

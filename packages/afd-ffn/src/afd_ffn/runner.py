@@ -11,6 +11,7 @@ import logging
 
 from afd_common import metrics
 from afd_common.config import afd_config_from_vllm
+from afd_common.models import check_router
 from afd_common.patches import moe_parallel
 from afd_common.vllm_model import expert_placement, layer_index, model_shape, weight_summary
 
@@ -39,6 +40,7 @@ class AFDFFNRunnerMixin:
         runners = {layer_index(m.layer_name): m for m in self.model.modules()
                    if isinstance(m, MoERunner)}
         shape = model_shape(self.vllm_config, runners, placement)
+        check_router(self.vllm_config, runners, config.compute_gate_on_attention)
         experts = LayerExperts(self.vllm_config, runners, placement, rank)
         recorder = metrics.recorder("ffn", config.connector)
         experts.on_routed = lambda layer, ids: recorder.expert_pairs(layer, ids,

@@ -11,7 +11,7 @@ import logging
 import os
 from importlib.metadata import entry_points
 
-from afd_common import lifecycle
+from afd_common import lifecycle, models
 from afd_common.config import AFDConfig, afd_config_from_vllm
 from afd_common.errors import AFDConfigError
 from afd_common.patching import PatchSet
@@ -64,6 +64,7 @@ def before(vllm_config, afd: AFDConfig) -> None:
         raise AFDConfigError(field, role_ranks, "AFD roles run with tensor and pipeline parallel "
                              "size 1 per rank in this version; scale with data parallelism")
     _check_placement(vllm_config, afd)
+    models.check_model(vllm_config, afd)
     kind = _device_kind()
     if afd.async_dp:
         _check_async_dp(afd, kind)

@@ -10,14 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from afd_common.models import ARCHITECTURES
 from afd_common.patching import PatchSet
-
-# Module-level classes the supported models look up by name when they build a decoder layer.
-PRUNED_CLASSES = {
-    "vllm.model_executor.models.deepseek_v2": ("DeepseekAttention", "DeepseekV2Attention",
-                                               "DeepseekV2MLAAttention", "DeepseekV2MLP"),
-    "vllm.model_executor.models.qwen3_moe": ("Qwen3MoeAttention", "Qwen3MoeMLP"),
-}
 
 
 def build() -> PatchSet:
@@ -40,10 +34,14 @@ def build() -> PatchSet:
             nn.Module.__init__(self)
 
     patch = PatchSet("ffn_prune")
-    for module_name, classes in PRUNED_CLASSES.items():
-        module = importlib.import_module(module_name)
-        for name in classes:
-            patch.setattr(module, name, PrunedLayer)
+    # DeepSeek V2 and V3 share a module: each class once.
+    for module_name, path in sorted({(a.vllm_module, c) for a in ARCHITECTURES.values()
+                                     for c in a.attention_only}):
+        owner = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        patch.setattr(owner, name, PrunedLayer)
     patch.setitem(op_registry_oot, VocabParallelEmbedding.__name__, PrunedEmbedding)
     patch.setitem(op_registry_oot, ParallelLMHead.__name__, PrunedLMHead)
     return patch
