@@ -52,18 +52,21 @@ class Server:
     cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "1" or "0|1"
     env: dict[str, str] = field(default_factory=dict)
     common_args: list[str] = field(default_factory=lambda: list(COMMON_ARGS))
+    host: str = "127.0.0.1"  # the address it serves HTTP on
+    # A command prefix it runs under, e.g. ``ip netns exec NAME`` for a host in a namespace.
+    wrap: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self.host}:{self.http_port}"
 
     def start(self) -> Server:
         env = {**os.environ, **BASE_ENV, **self.env}
         if self.cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cores
-        cmd = [vllm_executable(), "serve", self.model, "--port", str(self.http_port),
-               "--host", "127.0.0.1", *self.common_args, *self.args]
+        cmd = [*self.wrap, vllm_executable(), "serve", self.model, "--port", str(self.http_port),
+               "--host", self.host, *self.common_args, *self.args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,

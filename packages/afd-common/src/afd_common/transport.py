@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
 import threading
 import time
@@ -121,11 +122,7 @@ def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
-        # On loopback pin the device to 127.0.0.1: the hostname may resolve to an address that
-        # is not routable inside a sandbox. Otherwise Gloo's default device (GLOO_SOCKET_IFNAME).
-        device = (dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if is_loopback(host)
-                  else dist.ProcessGroupGloo.create_default_device())
-        opts._devices = [device]
+        opts._devices = [_gloo_device(host)]
         return dist.ProcessGroupGloo(pstore, rank, size, opts)
     if backend == "nccl":  # pragma: no cover - needs CUDA; not exercised on the CPU machines
         opts = dist.ProcessGroupNCCL.Options()
@@ -139,6 +136,26 @@ def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int
         opts._timeout = timeout
         return ProcessGroupHCCL(pstore, rank, size, opts)
     raise ValueError(f"unknown backend {backend!r}")
+
+
+def _gloo_device(host: str):
+    """The interface Gloo binds and advertises to its peers: the one ``GLOO_SOCKET_IFNAME`` names,
+    else the one that reaches the rendezvous host. Gloo's own default resolves this machine's
+    hostname, which is often a loopback address (/etc/hosts): peers on other hosts would be told
+    to connect to 127.0.0.1."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo.create_default_device()
+    if is_loopback(host):
+        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    return dist.ProcessGroupGloo.create_device(hostname=local_address_towards(host))
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (connecting a UDP socket sends nothing)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect((host, 9))
+        return sock.getsockname()[0]
 
 
 def default_backend(device: torch.device) -> str:

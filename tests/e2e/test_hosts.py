@@ -1,0 +1,95 @@
+"""The roles on different hosts: network namespaces joined by a bridge, each with its own address
+and loopback (tests/e2e/hosts.py). Root only; without namespaces the test fails, it never skips."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import subprocess
+import sys
+import time
+
+import pytest
+
+from afd_common.launch import PROMPTS, Server, afd_args, compare, complete, wait_gone
+from afd_common.lifecycle import FAILED_EXIT_CODE
+from afd_common.selftest import free_port
+
+from .conftest import NUM_PROMPTS, say
+from .hosts import Hosts, our_netns
+from .test_reliability import _long_request
+
+pytestmark = pytest.mark.e2e
+ATTENTION, FFN = 0, 1  # host indices
+STEP_TIMEOUT_S = 10
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    before = our_netns()
+    made = Hosts(2)
+    try:
+        yield made
+    finally:
+        made.close()
+        assert our_netns() == before, "namespaces left behind"
+
+
+def _on(hosts: Hosts, i: int, name: str, model, port: int, role: str, logs, core: str) -> Server:
+    afd = afd_args(role, port, host=hosts.address(FFN),
+                   connector_extra_config={"step_timeout_s": STEP_TIMEOUT_S})
+    return Server(name, str(model), free_port(), logs / f"{name}.log", args=afd, cores=core,
+                  host=hosts.address(i), wrap=hosts.wrap(i),
+                  env={"VLLM_HOST_IP": hosts.address(i)})
+
+
+def _connects(hosts: Hosts | None, i: int, address: str, port: int) -> bool:
+    """Whether a TCP connection to ``address:port`` from host ``i`` (None: this process's
+    namespace) is accepted."""
+    probe = ("import socket,sys\ntry:\n    socket.create_connection((sys.argv[1], int(sys.argv[2])),"
+             " timeout=5).close()\nexcept OSError:\n    sys.exit(1)")
+    wrap = [] if hosts is None else hosts.wrap(i)
+    return subprocess.run([*wrap, sys.executable, "-c", probe, address, str(port)],
+                          timeout=30).returncode == 0
+
+
+def test_roles_on_two_hosts_give_the_colocated_answer_and_a_cut_link_fails_fast(
+        hosts, models, colocated, logs):
+    port = free_port()
+    ffn = _on(hosts, FFN, "hosts-ffn", models["qwen3_moe"], port, "ffn", logs, "1").start()
+    attention = _on(hosts, ATTENTION, "hosts-attention", models["qwen3_moe"], port, "attention",
+                    logs, "0").start()
+    try:
+        attention.wait_ready(progress=say, others=(ffn,))
+        ffn.wait_ready(progress=say, others=(attention,))
+        problems = compare(complete(attention, PROMPTS[:NUM_PROMPTS]), colocated["qwen3_moe"])
+        assert not problems, "\n".join(problems)
+
+        # The rendezvous listens on the configured address only: reachable there from the other
+        # host, refused on the FFN host's loopback.
+        assert _connects(hosts, ATTENTION, hosts.address(FFN), port)
+        assert not _connects(hosts, FFN, "127.0.0.1", port)
+
+        # Unplug the FFN host mid-decode: no connection closes, so only the step timeout can end
+        # the wait. The request fails within it and the attention role stops (status 3).
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(_long_request, attention)
+            time.sleep(1.5)
+            assert not fut.done(), "generation finished before the cut; make it longer"
+            cut = time.monotonic()
+            hosts.cut(FFN)
+            status, detail = fut.result(timeout=STEP_TIMEOUT_S + 30)
+            took = time.monotonic() - cut
+        say(f"link to the FFN host cut: in-flight request ended with {status} after {took:.1f} s")
+        assert status != 200 and took <= STEP_TIMEOUT_S + 10, (status, detail)
+        assert wait_gone([attention], 30), attention.log_tail()
+        assert attention.proc.returncode == FAILED_EXIT_CODE
+        log = attention.log_path.read_text(errors="replace")
+        assert f"within {float(STEP_TIMEOUT_S)} s" in log, attention.log_tail()
+        # Plugged back in, the FFN host learns its peer is gone and stops too.
+        hosts.restore(FFN)
+        assert wait_gone([ffn], 120), ffn.log_tail()
+        say(f"FFN role gone {time.monotonic() - cut:.1f} s after the cut, exit "
+            f"{ffn.proc.returncode}")
+    finally:
+        for server in (attention, ffn):
+            server.stop(timeout_s=5)
