@@ -9,24 +9,32 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import json
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from afd_common.launch import PROMPTS, Server, afd_args, complete, wait_gone
+from afd_common.launch import BASE_ENV, PROMPTS, Server, afd_args, complete, wait_gone
 from afd_common.placement import expert_owners
 from afd_common.selftest import free_port
 from afd_common.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.e2e
 NUM_PROMPTS = 16
-ARCHS = ("deepseek_v2", "qwen3_moe")
-# Routed experts per checkpoint: 8 for DeepSeek-V2 (3 FFN ranks do not divide it; CAMAsync's
-# ops need an even share, 2 ranks do), 7 for Qwen3-MoE (2 FFN ranks do not divide it).
-NUM_EXPERTS = {"deepseek_v2": 8, "qwen3_moe": 7}
-# The negative controls: Qwen3-MoE over 2 sharded FFN ranks with one rank's share reseeded.
+# Every architecture of afd_common.models (tiny_model.ARCHS), served colocated once each.
+ARCHS = ("deepseek_v2", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "mixtral", "olmoe",
+         "qwen2_moe")
+# Routed experts per checkpoint: 8 mostly (3 FFN ranks do not divide it; CAMAsync's ops need an
+# even share, 2 ranks do), 7 for Qwen3-MoE (2 FFN ranks do not divide it).
+NUM_EXPERTS = {arch: 7 if arch == "qwen3_moe" else 8 for arch in ARCHS}
+# The negative controls: Qwen3-MoE over 2 sharded FFN ranks with one rank's share reseeded, and
+# one checkpoint per other routing family with every routed expert reseeded.
 SHARDED_CONTROL_RANKS = 2
+FAMILY_CONTROLS = ("glm4_moe", "mixtral")  # DeepSeek-style grouped routing; softmax top-k
 
 
 _plugins = None
@@ -61,13 +69,17 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     out = {arch: write_tiny_model(arch, root / arch, seed=0, num_experts=NUM_EXPERTS[arch])
            for arch in ARCHS}
-    # Same weights except the routed experts that one FFN rank owns: the negative controls.
+    # Same weights except the routed experts that the last FFN rank owns: a negative control.
     owners = expert_owners(NUM_EXPERTS["qwen3_moe"], SHARDED_CONTROL_RANKS, "linear")
-    for f in range(SHARDED_CONTROL_RANKS):
-        out[f"qwen3_moe-other-experts-f{f}"] = write_tiny_model(
-            "qwen3_moe", root / f"qwen3-other-f{f}", seed=0, experts_seed=12345,
-            num_experts=NUM_EXPERTS["qwen3_moe"],
-            reseed_experts=[e for e, r in enumerate(owners) if r == f])
+    f = SHARDED_CONTROL_RANKS - 1
+    out[f"qwen3_moe-other-experts-f{f}"] = write_tiny_model(
+        "qwen3_moe", root / f"qwen3-other-f{f}", seed=0, experts_seed=12345,
+        num_experts=NUM_EXPERTS["qwen3_moe"],
+        reseed_experts=[e for e, r in enumerate(owners) if r == f])
+    for arch in FAMILY_CONTROLS:
+        out[f"{arch}-other-experts"] = write_tiny_model(
+            arch, root / f"{arch}-other", seed=0, experts_seed=12345,
+            num_experts=NUM_EXPERTS[arch])
     return {k: Path(v) for k, v in out.items()}
 
 
@@ -89,24 +101,34 @@ def run_mixed(server: Server) -> list[list[str]]:
 
 @pytest.fixture(scope="session")
 def colocated(models, logs) -> dict[str, list]:
-    """The reference: a plain colocated `vllm serve` per checkpoint, same flags, same prompts;
-    ``"<arch>-mixed"`` holds the answers to the 64-request mixed load, ``"<arch>-rss"`` the
-    server's resident memory after answering."""
-    answers = {}
-    # Both references at once, one core each: start-up is most of their cost.
-    servers = {arch: Server(f"colocated-{arch}", str(models[arch]), free_port(),
-                            logs / f"colocated-{arch}.log", cores=str(core)).start()
-               for core, arch in enumerate(ARCHS)}
-    try:
-        for arch, server in servers.items():
-            server.wait_ready(progress=say)
-            answers[arch] = complete(server, PROMPTS[:NUM_PROMPTS])
-            answers[f"{arch}-rss"] = server.rss_bytes()
-            if arch == "deepseek_v2":
-                answers[f"{arch}-mixed"] = run_mixed(server)
-    finally:
-        for server in servers.values():
-            assert server.stop(), f"colocated server left processes:\n{server.log_tail()}"
+    """The reference: colocated vLLM per checkpoint, same engine flags, same prompts (vLLM's
+    offline engine, ``colocated_reference.py``); ``"<arch>-mixed"`` holds the token ids of the
+    64-request mixed load."""
+    jobs = [{"key": arch, "model": str(models[arch]), "prompts": PROMPTS[:NUM_PROMPTS],
+             "max_tokens": [32] * NUM_PROMPTS} for arch in ARCHS]
+    mixed = mixed_load()
+    jobs.insert(1, {"key": "deepseek_v2-mixed", "model": str(models["deepseek_v2"]),
+                    "prompts": [p for p, _ in mixed], "max_tokens": [n for _, n in mixed]})
+    # Two processes, one core each, every other job.
+    script = Path(__file__).with_name("colocated_reference.py")
+    procs = []
+    for core in (0, 1):
+        share, out = logs / f"colocated-jobs-{core}.json", logs / f"colocated-{core}.json"
+        share.write_text(json.dumps(jobs[core::2]))
+        log = open(logs / f"colocated-{core}.log", "wb")  # noqa: SIM115 - owned by the child
+        env = {**os.environ, **BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+        procs.append((subprocess.Popen([sys.executable, str(script), str(share), str(out)],
+                                       stdout=log, stderr=subprocess.STDOUT, env=env), out))
+        log.close()
+    answers: dict[str, list] = {}
+    start = time.monotonic()
+    for proc, out in procs:
+        rc = proc.wait(timeout=900)
+        assert rc == 0, f"colocated reference failed ({rc}):\n" + "\n".join(
+            out.with_suffix(".log").read_text(errors="replace").splitlines()[-40:])
+        answers.update(json.loads(out.read_text()))
+    say(f"colocated references for {len(jobs)} jobs in {time.monotonic() - start:.0f} s")
+    answers["deepseek_v2-mixed"] = [a["tokens"] for a in answers["deepseek_v2-mixed"]]
     return answers
 
 
@@ -126,10 +148,12 @@ def dp_args(ranks: int) -> list[str]:
 @contextlib.contextmanager
 def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = None,
              num_attention_ranks: int = 1, num_ffn_ranks: int = 1,
-             vllm_args: tuple[str, ...] = (), env: dict | None = None, **afd):
+             vllm_args: tuple[str, ...] = (), env: dict | None = None,
+             attention_args: tuple[str, ...] = (), **afd):
     """Start an FFN and an attention `vllm serve`, wait until both are ready; afterwards stop
     whatever the test left running. ``vllm_args`` and ``env`` go to both roles (e.g.
-    ``--enable-expert-parallel``, ``AFD_TEST_INORDER``)."""
+    ``--enable-expert-parallel``, ``AFD_TEST_INORDER``), ``attention_args`` to the attention role
+    (e.g. ``--speculative-config``)."""
     port = free_port()
     ranks = {"num_attention_ranks": num_attention_ranks, "num_ffn_ranks": num_ffn_ranks}
     # FFN DP ranks start on core 1 and alternate, so 1A2F puts one FFN rank beside attention.
@@ -138,7 +162,7 @@ def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = N
                  + list(vllm_args), env=dict(env or {}),
                  cores="|".join(str((i + 1) % 2) for i in range(num_ffn_ranks)))
     attn_args = (afd_args("attention", port, **ranks, **afd) + dp_args(num_attention_ranks)
-                 + list(vllm_args))
+                 + list(vllm_args) + list(attention_args))
     # One core per DP rank for the attention role (it shares core 1 with the FFN role then).
     attention = Server(f"{name}-attention", str(attn_model), free_port(),
                        logs / f"{name}-attention.log", args=attn_args, env=dict(env or {}),

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from afd_common.launch import Server, afd_args, complete, wait_gone
+from afd_common.launch import PROMPTS, Server, afd_args, compare, complete, wait_gone
 from afd_common.lifecycle import FAILED_EXIT_CODE
 from afd_common.selftest import free_port
 from afd_common.tiny_model import write_tiny_model
 
-from .conftest import afd_pair, run_mixed, say
+from .conftest import NUM_PROMPTS, afd_pair, run_mixed, say
 
 pytestmark = pytest.mark.e2e
 
@@ -137,8 +137,11 @@ def auth_pair(models, logs):
         yield pair
 
 
-def test_auth_token_right_works_and_is_never_logged(auth_pair):
-    assert complete(auth_pair.attention, ["Hello there"], max_tokens=4)[0]["tokens"]
+def test_auth_token_right_works_and_is_never_logged(auth_pair, colocated):
+    """Also Qwen3-MoE 1A1F with the gate on the FFN role against colocated vLLM."""
+    answers = complete(auth_pair.attention, PROMPTS[:NUM_PROMPTS])
+    problems = compare(answers, colocated["qwen3_moe"])
+    assert not problems, "\n".join(problems)
     for server in auth_pair.servers:
         log = server.log_path.read_text(errors="replace")
         assert "auth_token" in log and SECRET not in log

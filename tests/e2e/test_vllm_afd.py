@@ -14,7 +14,8 @@ from afd_common.lifecycle import FAILED_EXIT_CODE
 
 from afd_common.placement import ExpertPlacement
 
-from .conftest import NUM_EXPERTS, NUM_PROMPTS, SHARDED_CONTROL_RANKS, afd_pair, say
+from .conftest import (FAMILY_CONTROLS, NUM_EXPERTS, NUM_PROMPTS, SHARDED_CONTROL_RANKS, afd_pair,
+                       say)
 
 pytestmark = pytest.mark.e2e
 
@@ -35,10 +36,20 @@ def weights_by_rank(server) -> dict[int, dict]:
 
 
 def routed_numel_per_expert(model_dir) -> int:
-    """Elements of one routed expert over all MoE layers: gate, up [I, H] and down [H, I]."""
+    """Elements of one routed expert over all MoE layers: gate, up [I, H] and down [H, I], and
+    their biases [2I] and [H] where the model has them (gpt-oss)."""
     cfg = json.loads((model_dir / "config.json").read_text())
+    info = json.loads((model_dir / "afd_tiny_model.json").read_text())
+    h, inter = info["shape"]["hidden_size"], info["shape"]["moe_intermediate_size"]
     moe_layers = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
-    return 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * moe_layers
+    biases = 2 * inter + h if info["arch"] == "gpt_oss" else 0
+    return (3 * h * inter + biases) * moe_layers
+
+
+# Prompt lookup proposes tokens the target model verifies several at a time: a step of AFD with
+# more tokens per request, the same answers (greedy).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
 
 
 @dataclass(frozen=True)
@@ -53,13 +64,14 @@ class Case:
     m: int = 1
     sharded: bool = False  # --enable-expert-parallel on both roles
     inorder: bool = False  # AFD_TEST_INORDER=1 on both roles: NCCL/HCCL matching on Gloo
+    ngram: bool = False  # n-gram speculative decoding on the attention role
 
     @property
     def id(self) -> str:
         place = "sharded" if self.sharded else "replicated"
         return (f"{self.arch}-gate_on_{'attention' if self.gate_on_attention else 'ffn'}-"
                 f"{self.A}A{self.F}F-{place}-{self.connector}-m{self.m}"
-                + ("-inorder" if self.inorder else ""))
+                + ("-inorder" if self.inorder else "") + ("-ngram" if self.ngram else ""))
 
     def afd(self) -> dict:
         extra = {}
@@ -70,7 +82,9 @@ class Case:
         return dict(num_attention_ranks=self.A, num_ffn_ranks=self.F, connector=self.connector,
                     compute_gate_on_attention=self.gate_on_attention,
                     vllm_args=("--enable-expert-parallel",) if self.sharded else (),
-                    env={"AFD_TEST_INORDER": "1"} if self.inorder else None, **extra)
+                    env={"AFD_TEST_INORDER": "1"} if self.inorder else None,
+                    attention_args=("--speculative-config", json.dumps(NGRAM)) if self.ngram
+                    else (), **extra)
 
 
 # Every case is one server pair; each exists for a reason. Micro-batching (m = 2, 3) rides on
@@ -95,6 +109,16 @@ CASES = [
          inorder=True),
     Case("deepseek_v2", True, A=2, F=2, connector="CAMAsyncAFDConnector", sharded=True,
          inorder=True),
+    # Every other architecture of afd_common.models, 1A1F over P2P, with the gate where the
+    # table puts it (DeepSeek-V2 and Qwen3-MoE 1A1F with the gate on the FFN role: the load and
+    # auth pairs of test_reliability). DeepSeek-V3 also with 2 attention ranks and m = 2.
+    Case("deepseek_v3", False),
+    Case("deepseek_v3", True, A=2, m=2),
+    Case("glm4_moe", True),
+    Case("gpt_oss", True),
+    Case("mixtral", True),
+    Case("olmoe", True),
+    Case("qwen2_moe", True, ngram=True),
 ]
 
 
@@ -108,6 +132,12 @@ def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(case, models,
         assert len(answers) == NUM_PROMPTS and all(len(a["tokens"]) == 32 for a in answers)
         if case.m > 1:  # the steps really were split (the prompts arrive together, so they can be)
             assert f"split into {case.m} micro-batches" in pair.attention.log_path.read_text()
+        if case.ngram:  # the proposer really proposed, and the target accepted some
+            accepted = sum(float(line.rsplit(" ", 1)[1]) for line in
+                           _get(pair.attention.url + "/metrics").splitlines()
+                           if line.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+            say(f"{case.id}: {accepted:.0f} speculated tokens accepted")
+            assert accepted > 0
         if case.inorder:
             for server in pair.servers:
                 assert "AFD_TEST_INORDER=1" in server.log_path.read_text(), server.name
@@ -115,7 +145,7 @@ def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(case, models,
         if case.A > 1:
             log = pair.ffn.log_path.read_text()
             assert f"handshake with {case.A + case.F - 1} peers ok" in log
-        check_weights(pair, case, models[case.arch], colocated)
+        check_weights(pair, case, models[case.arch])
 
         # The FFN role's front end refuses generation and reports its loop.
         status = json.loads(_get(pair.ffn.url + "/health"))
@@ -130,15 +160,14 @@ def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(case, models,
         assert pair.ffn.proc.returncode in (0, FAILED_EXIT_CODE)
 
 
-def check_weights(pair, case: Case, model_dir, colocated) -> None:
+def check_weights(pair, case: Case, model_dir) -> None:
     """Role-pruned weights, counted by name on each side; each FFN rank holds every routed
     expert in full (replicated) or exactly its share (sharded)."""
     attn, ffn = weights(pair.attention), weights_by_rank(pair.ffn)
     say(f"{case.id}: attention holds {sorted(attn)}, FFN ranks hold "
         f"{ {f: w['routed_experts']['numel'] for f, w in sorted(ffn.items())} } routed-expert "
         f"elements; RSS attention {pair.attention.rss_bytes() / 2**20:.0f} MiB, FFN "
-        f"{pair.ffn.rss_bytes() / 2**20:.0f} MiB, colocated "
-        f"{colocated[f'{case.arch}-rss'] / 2**20:.0f} MiB")
+        f"{pair.ffn.rss_bytes() / 2**20:.0f} MiB")
     assert "routed_experts" not in attn and {"attention", "embedding", "lm_head"} <= set(attn)
     assert sorted(ffn) == list(range(case.F)), f"AFD weights lines of FFN ranks {sorted(ffn)}"
     placement = ExpertPlacement("sharded" if case.sharded and case.F > 1 else "replicated",
@@ -229,18 +258,39 @@ def _get(url: str) -> str:
         return r.read().decode()
 
 
-@pytest.mark.parametrize("ffn_rank", range(SHARDED_CONTROL_RANKS))
-def test_negative_control_per_shard_and_sigterm_on_ffn_ends_both(ffn_rank, models, colocated,
-                                                                 logs):
-    """Experts sharded over 2 FFN ranks, with other weights for exactly the experts one rank
-    owns: the answers change, so every rank's share is really used (and equality above means
-    something); then SIGTERM on the FFN server ends both roles within 30 s."""
-    with afd_pair(f"qwen3-negative-f{ffn_rank}", logs, models["qwen3_moe"],
-                  ffn_model=models[f"qwen3_moe-other-experts-f{ffn_rank}"],
-                  num_ffn_ranks=SHARDED_CONTROL_RANKS, compute_gate_on_attention=True,
-                  vllm_args=("--enable-expert-parallel",)) as pair:
+@dataclass(frozen=True)
+class Control:
+    """An AFD pair whose FFN role serves other routed-expert weights than the attention role's
+    checkpoint: the answers must change."""
+
+    arch: str
+    ffn_model: str
+    F: int = 1
+
+    @property
+    def id(self) -> str:
+        return self.ffn_model
+
+
+# One per routing family: Qwen (softmax top-k with the gate in the MoE layer), DeepSeek-style
+# (grouped sigmoid top-k with a correction bias), Mixtral-style (the model's own router logits).
+# Qwen3-MoE's experts are sharded over 2 FFN ranks with only the last rank's share reseeded: that
+# share must come from that rank (the attention role holds no routed expert: check_weights; the
+# other share is shown used by the equality cases).
+CONTROLS = [Control("qwen3_moe", f"qwen3_moe-other-experts-f{SHARDED_CONTROL_RANKS - 1}",
+                    F=SHARDED_CONTROL_RANKS),
+            *(Control(arch, f"{arch}-other-experts") for arch in FAMILY_CONTROLS)]
+
+
+@pytest.mark.parametrize("control", CONTROLS, ids=[c.id for c in CONTROLS])
+def test_negative_control_and_sigterm_on_ffn_ends_both(control, models, colocated, logs):
+    """Then SIGTERM on the FFN server ends both roles within 30 s."""
+    with afd_pair(f"negative-{control.id}", logs, models[control.arch],
+                  ffn_model=models[control.ffn_model], num_ffn_ranks=control.F,
+                  compute_gate_on_attention=True,
+                  vllm_args=("--enable-expert-parallel",) if control.F > 1 else ()) as pair:
         answers = complete(pair.attention, PROMPTS[:NUM_PROMPTS])
-        differing = compare(answers, colocated["qwen3_moe"])
+        differing = compare(answers, colocated[control.arch])
         assert len(differing) >= NUM_PROMPTS // 2, differing
         sigterm_ends_both(pair, pair.ffn)
         assert pair.ffn.proc.returncode == 0, "the server stopped on purpose exits 0"
