@@ -34,7 +34,7 @@ NUM_EXPERTS = {arch: 7 if arch == "qwen3_moe" else 8 for arch in ARCHS}
 # The negative controls: Qwen3-MoE over 2 sharded FFN ranks with one rank's share reseeded, and
 # one checkpoint per other routing family with every routed expert reseeded.
 SHARDED_CONTROL_RANKS = 2
-FAMILY_CONTROLS = ("glm4_moe", "mixtral")  # DeepSeek-style grouped routing; softmax top-k
+FAMILY_CONTROLS = ("mixtral",)  # the family that routes on the attention role
 
 
 _plugins = None

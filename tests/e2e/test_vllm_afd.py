@@ -97,10 +97,10 @@ CASES = [
     # the FFN role; the first round's recipe failed here: vLLM made it tensor-parallel).
     Case("qwen3_moe", False, F=2, m=2),
     # Experts sharded over the FFN ranks: M2N dispatch from the attention side, A < F with 3
-    # micro-batches, A = F over P2P under in-order matching (AFD_TEST_INORDER, as on NCCL), and
-    # 3 FFN ranks with an uneven share on DeepSeek-V2.
-    Case("qwen3_moe", True, F=2, m=3, sharded=True),
-    Case("qwen3_moe", True, A=2, F=2, sharded=True, inorder=True),
+    # micro-batches over P2P under in-order matching (AFD_TEST_INORDER, as on NCCL; A = F is in
+    # the CAM cases below and the multi-process tests), and 3 FFN ranks with an uneven share on
+    # DeepSeek-V2.
+    Case("qwen3_moe", True, F=2, m=3, sharded=True, inorder=True),
     Case("deepseek_v2", True, F=3, m=2, sharded=True),
     # The CAM connectors move the rows through the afd_ascend ops (portable kernels over Gloo),
     # both under in-order matching, as on HCCL: CAMP2p sharded (M2N through a2e/e2a), CAMAsync
@@ -272,11 +272,11 @@ class Control:
         return self.ffn_model
 
 
-# One per routing family: Qwen (softmax top-k with the gate in the MoE layer), DeepSeek-style
-# (grouped sigmoid top-k with a correction bias), Mixtral-style (the model's own router logits).
-# Qwen3-MoE's experts are sharded over 2 FFN ranks with only the last rank's share reseeded: that
-# share must come from that rank (the attention role holds no routed expert: check_weights; the
-# other share is shown used by the equality cases).
+# One per family of afd_common.models, by where the router runs: in vLLM's MoE layer (DeepSeek,
+# Qwen3-MoE: the gate may run on the FFN role) or in the model (the others: routed on the
+# attention role). Qwen3-MoE's experts are sharded over 2 FFN ranks with only the last rank's
+# share reseeded: that share must come from that rank (the attention role holds no routed expert:
+# check_weights; the other share is shown used by the equality cases).
 CONTROLS = [Control("qwen3_moe", f"qwen3_moe-other-experts-f{SHARDED_CONTROL_RANKS - 1}",
                     F=SHARDED_CONTROL_RANKS),
             *(Control(arch, f"{arch}-other-experts") for arch in FAMILY_CONTROLS)]
