@@ -40,7 +40,14 @@ def _entry(fn, rank, size, port, timeout_s, args, q):
         store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=30))
         backend = new_group("gloo", store, "ops", rank, size, timeout_s, "127.0.0.1")
         pg = register_named_group(backend, store, rank, size, GROUP, torch.device("cpu"))
-        q.put((rank, "ok", fn(rank, GROUP, *args)))
+        result = fn(rank, GROUP, *args)
+        # No rank exits before every rank has what it was sent: under in-order matching a send
+        # may still wait in its lane when the sender's own part is done.
+        try:
+            backend.barrier().wait()
+        except RuntimeError:
+            pass  # a peer is gone; its own result says why
+        q.put((rank, "ok", result))
         del pg
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))

@@ -107,3 +107,54 @@ def test_routed_expert_tensors_are_told_apart_from_shared_ones(name, routed):
 def test_weights_are_counted_by_category(name, category):
     """What the roles' ``AFD weights:`` lines (and the e2e checks) are made of."""
     assert weight_category(name) == category
+
+
+REFUSALS_THROUGH_VLLM = r'''
+import json, re, sys
+from vllm.engine.arg_utils import EngineArgs
+from afd_common.patches import vllm_config
+
+mixtral, dense = sys.argv[1:3]
+cases = {
+    "gate": dict(model=mixtral, additional_config={"afd": {"role": "attention"}}),
+    "architecture": dict(model=dense, additional_config={"afd": {"role": "ffn"}}),
+    "speculative": dict(model=mixtral, speculative_config={"method": "draft_model",
+                        "model": mixtral, "num_speculative_tokens": 2},
+                        additional_config={"afd": {"role": "attention",
+                                                   "compute_gate_on_attention": True}}),
+}
+vllm_config.build().install()
+out = {}
+for name, kwargs in cases.items():
+    try:
+        EngineArgs(dtype="float32", max_model_len=256, enforce_eager=True,
+                   **kwargs).create_engine_config()
+        out[name] = None
+    except ValueError as e:  # pydantic wraps afd's AFDConfigError; the user reads this text
+        found = re.search(r"afd config: field '([^']+)'", str(e))
+        out[name] = found and found.group(1)
+print("FIELDS " + json.dumps(out))
+'''
+
+
+def test_refusals_happen_where_vllm_completes_its_config(tmp_path):
+    """Through vLLM's own path (EngineArgs -> VllmConfig, where afd's hook runs in the API
+    server): each refusal names its field before any engine or process group exists."""
+    import json
+    import subprocess
+    import sys
+
+    from afd_common.tiny_model import write_tiny_model
+
+    mixtral = write_tiny_model("mixtral", tmp_path / "mixtral", num_layers=2)
+    dense = write_tiny_model("qwen3_moe", tmp_path / "dense", num_layers=2)
+    cfg = json.loads((dense / "config.json").read_text())
+    cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")  # a dense model vLLM serves
+    (dense / "config.json").write_text(json.dumps(cfg))
+    run = subprocess.run([sys.executable, "-c", REFUSALS_THROUGH_VLLM, str(mixtral), str(dense)],
+                         capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("FIELDS ")), None)
+    assert line is not None, run.stderr[-3000:]
+    assert json.loads(line[len("FIELDS "):]) == {
+        "gate": "compute_gate_on_attention", "architecture": "architectures",
+        "speculative": "speculative_config.method"}
