@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -97,6 +99,21 @@ def run_mixed(server: Server) -> list[list[str]]:
         return complete(server, [prompt], max_tokens=n)[0]["tokens"]
     with cf.ThreadPoolExecutor(64) as pool:
         return list(pool.map(one, mixed_load()))
+
+
+def long_request(server: Server, max_tokens: int = 400):
+    """One long greedy completion: (HTTP status or "connection", start of the body)."""
+    body = json.dumps({"model": server.model, "prompt": "Once upon a time",
+                       "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read()[:200]
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()[:200]
+    except OSError as e:
+        return "connection", repr(e)
 
 
 @pytest.fixture(scope="session")

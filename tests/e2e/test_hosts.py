@@ -14,9 +14,8 @@ from afd_common.launch import PROMPTS, Server, afd_args, compare, complete, wait
 from afd_common.lifecycle import FAILED_EXIT_CODE
 from afd_common.selftest import free_port
 
-from .conftest import NUM_PROMPTS, say
+from .conftest import NUM_PROMPTS, long_request, say
 from .hosts import Hosts, our_netns
-from .test_reliability import _long_request
 
 pytestmark = pytest.mark.e2e
 ATTENTION, FFN = 0, 1  # host indices
@@ -72,7 +71,7 @@ def test_roles_on_two_hosts_give_the_colocated_answer_and_a_cut_link_fails_fast(
         # Unplug the FFN host mid-decode: no connection closes, so only the step timeout can end
         # the wait. The request fails within it and the attention role stops (status 3).
         with cf.ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(_long_request, attention)
+            fut = pool.submit(long_request, attention)
             time.sleep(1.5)
             assert not fut.done(), "generation finished before the cut; make it longer"
             cut = time.monotonic()

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
 import re
 import signal
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ from afd_common.lifecycle import FAILED_EXIT_CODE
 from afd_common.selftest import free_port
 from afd_common.tiny_model import write_tiny_model
 
-from .conftest import NUM_PROMPTS, afd_pair, run_mixed, say
+from .conftest import NUM_PROMPTS, afd_pair, long_request, run_mixed, say
 
 pytestmark = pytest.mark.e2e
 
@@ -170,20 +167,6 @@ def test_64_concurrent_mixed_requests_exact(load_pair, colocated):
     mismatched = [i for i, (a, b) in enumerate(zip(answers, colocated["deepseek_v2-mixed"]))
                   if a != b]
     assert not mismatched, f"requests {mismatched} differ from colocated"
-
-
-def _long_request(server: Server, max_tokens: int = 400):
-    body = json.dumps({"model": server.model, "prompt": "Once upon a time",
-                       "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
-    req = urllib.request.Request(server.url + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, r.read()[:200]
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()[:200]
-    except OSError as e:
-        return "connection", repr(e)
 
 
 def test_sigkill_ffn_mid_generation_fails_the_request_fast(load_pair):
