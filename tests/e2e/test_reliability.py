@@ -172,7 +172,7 @@ def test_64_concurrent_mixed_requests_exact(load_pair, colocated):
 def test_sigkill_ffn_mid_generation_fails_the_request_fast(load_pair):
     pair = load_pair
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(_long_request, pair.attention)
+        fut = pool.submit(long_request, pair.attention)
         time.sleep(1.5)
         assert not fut.done(), "generation finished before the kill; make it longer"
         killed = time.monotonic()
