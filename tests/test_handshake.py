@@ -186,3 +186,17 @@ def test_master_lingers_only_a_bounded_time_for_a_peer_that_never_reads():
     assert status == "error" and "'num_ffn_ranks' differs" in detail, detail
     # Gone before the stalled rank even looked again: it did not wait for that acknowledgement.
     assert master_done < hello_at + 4.0 <= done
+
+
+def test_gloo_binds_the_interfaces_gloo_socket_ifname_names(monkeypatch):
+    """Gloo's own default device resolves the hostname (often to 127.0.0.1): with
+    GLOO_SOCKET_IFNAME set, the AFD groups bind exactly the named interfaces, as torch's do."""
+    from afd_common.transport import gloo_devices
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,lo")
+    assert len(gloo_devices("10.0.0.2")) == 2
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "afdnosuchif0")
+    with pytest.raises(RuntimeError, match="afdnosuchif0"):
+        gloo_devices("10.0.0.2")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert len(gloo_devices("127.0.0.1")) == 1

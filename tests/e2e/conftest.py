@@ -20,10 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from afd_common.launch import BASE_ENV, PROMPTS, Server, afd_args, complete, wait_gone
+from afd_common.launch import (BASE_ENV, COMMON_ARGS, PROMPTS, Server, afd_args, complete,
+                               wait_gone)
 from afd_common.placement import expert_owners
 from afd_common.selftest import free_port
 from afd_common.tiny_model import write_tiny_model
+
+from afd_common.bench.hosts import Hosts, our_netns
 
 pytestmark = pytest.mark.e2e
 NUM_PROMPTS = 16
@@ -64,6 +67,19 @@ def _live_output(request):
 @pytest.fixture(scope="session")
 def logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm-logs")
+
+
+@pytest.fixture(scope="session")
+def hosts():
+    """Four hosts (network namespaces on one bridge), made when a test first asks; none of this
+    harness's namespaces may be left after the session."""
+    before = our_netns()
+    made = Hosts(4)
+    try:
+        yield made
+    finally:
+        made.close()
+        assert our_netns() == before, f"namespaces left behind: {our_netns()}"
 
 
 @pytest.fixture(scope="session")
@@ -150,44 +166,93 @@ def colocated(models, logs) -> dict[str, list]:
 
 
 class Pair:
-    def __init__(self, ffn: Server, attention: Server):
-        self.ffn, self.attention = ffn, attention
+    """Both roles' servers: per role one ``vllm serve`` for all its DP ranks, or (on hosts) one
+    per rank, rank 0 the front end and the others headless."""
+
+    def __init__(self, ffn: list[Server], attention: list[Server], port: int):
+        self.ffn_ranks, self.attention_ranks = ffn, attention
+        self.port = port  # the AFD rendezvous
+
+    @property
+    def ffn(self) -> Server:
+        return self.ffn_ranks[0]
+
+    @property
+    def attention(self) -> Server:
+        return self.attention_ranks[0]
 
     @property
     def servers(self):
-        return (self.ffn, self.attention)
+        return (*self.ffn_ranks, *self.attention_ranks)
 
 
 def dp_args(ranks: int) -> list[str]:
     return ["--data-parallel-size", str(ranks)] if ranks > 1 else []
 
 
+# A headless DP rank starts no API server, and vLLM refuses an API-server count with --headless.
+HEADLESS_COMMON_ARGS = [a for i, a in enumerate(COMMON_ARGS)
+                        if "--api-server-count" not in COMMON_ARGS[max(i - 1, 0):i + 1]]
+
+
+def role_servers(role: str, name: str, model: Path, logs: Path, ranks: int, args: list[str],
+                 env: dict, cores: list[str], hosts: Hosts | None = None,
+                 first_host: int = 0) -> list[Server]:
+    """One role's servers. Without ``hosts``: one ``vllm serve`` with ``--data-parallel-size``.
+    With ``hosts``: DP rank r on host ``first_host + r`` through vLLM's multi-node flags (rank 0
+    serves HTTP and leads the DP group at its address; the others run ``--headless`` from
+    ``--data-parallel-start-rank r``)."""
+    if hosts is None:
+        return [Server(f"{name}-{role}", str(model), free_port(), logs / f"{name}-{role}.log",
+                       args=args + dp_args(ranks), env=dict(env), cores="|".join(cores))]
+    lead, rpc_port = hosts.address(first_host), free_port()
+    out = []
+    for r in range(ranks):
+        h = first_host + r
+        dp = (["--data-parallel-size", str(ranks), "--data-parallel-size-local", "1",
+               "--data-parallel-address", lead, "--data-parallel-rpc-port", str(rpc_port)]
+              if ranks > 1 else [])
+        if r:
+            dp += ["--headless", "--data-parallel-start-rank", str(r)]
+        out.append(Server(f"{name}-{role}{r}", str(model), free_port(),
+                          logs / f"{name}-{role}{r}.log", args=args + dp,
+                          env={**env, **hosts.env(h, ranks > 1)}, cores=cores[r], host=hosts.address(h),
+                          wrap=hosts.wrap(h),
+                          common_args=list(HEADLESS_COMMON_ARGS if r else COMMON_ARGS)))
+    return out
+
+
 @contextlib.contextmanager
 def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = None,
              num_attention_ranks: int = 1, num_ffn_ranks: int = 1,
              vllm_args: tuple[str, ...] = (), env: dict | None = None,
-             attention_args: tuple[str, ...] = (), **afd):
+             attention_args: tuple[str, ...] = (), hosts: Hosts | None = None, **afd):
     """Start an FFN and an attention `vllm serve`, wait until both are ready; afterwards stop
     whatever the test left running. ``vllm_args`` and ``env`` go to both roles (e.g.
     ``--enable-expert-parallel``, ``AFD_TEST_INORDER``), ``attention_args`` to the attention role
-    (e.g. ``--speculative-config``)."""
+    (e.g. ``--speculative-config``). With ``hosts`` every rank runs on a host of its own: the
+    attention ranks on hosts 0.., the FFN ranks after them."""
     port = free_port()
     ranks = {"num_attention_ranks": num_attention_ranks, "num_ffn_ranks": num_ffn_ranks}
+    if hosts is not None:
+        afd.setdefault("host", hosts.address(num_attention_ranks))
     # FFN DP ranks start on core 1 and alternate, so 1A2F puts one FFN rank beside attention.
-    ffn = Server(f"{name}-ffn", str(ffn_model or attn_model), free_port(), logs / f"{name}-ffn.log",
-                 args=afd_args("ffn", port, **ranks, **afd) + dp_args(num_ffn_ranks)
-                 + list(vllm_args), env=dict(env or {}),
-                 cores="|".join(str((i + 1) % 2) for i in range(num_ffn_ranks)))
-    attn_args = (afd_args("attention", port, **ranks, **afd) + dp_args(num_attention_ranks)
-                 + list(vllm_args) + list(attention_args))
     # One core per DP rank for the attention role (it shares core 1 with the FFN role then).
-    attention = Server(f"{name}-attention", str(attn_model), free_port(),
-                       logs / f"{name}-attention.log", args=attn_args, env=dict(env or {}),
-                       cores="|".join(str(i % 2) for i in range(num_attention_ranks)))
-    pair = Pair(ffn.start(), attention.start())
+    ffn = role_servers("ffn", name, ffn_model or attn_model, logs, num_ffn_ranks,
+                       afd_args("ffn", port, **ranks, **afd) + list(vllm_args), env or {},
+                       [str((i + 1) % 2) for i in range(num_ffn_ranks)], hosts,
+                       first_host=num_attention_ranks)
+    attention = role_servers("attention", name, attn_model, logs, num_attention_ranks,
+                             afd_args("attention", port, **ranks, **afd) + list(vllm_args)
+                             + list(attention_args), env or {},
+                             [str(i % 2) for i in range(num_attention_ranks)], hosts)
+    pair = Pair(ffn, attention, port)
+    for server in pair.servers:
+        server.start()
     try:
-        attention.wait_ready(progress=say, others=(ffn,))
-        ffn.wait_ready(progress=say, others=(attention,))
+        headless = pair.servers[1:len(ffn)] + pair.servers[len(ffn) + 1:]
+        pair.attention.wait_ready(progress=say, others=(pair.ffn, *headless))
+        pair.ffn.wait_ready(progress=say, others=(pair.attention, *headless))
         yield pair
     finally:
         for server in pair.servers:

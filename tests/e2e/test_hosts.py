@@ -10,35 +10,15 @@ import time
 
 import pytest
 
-from afd_common.launch import PROMPTS, Server, afd_args, compare, complete, wait_gone
+from afd_common.launch import PROMPTS, compare, complete, wait_gone
 from afd_common.lifecycle import FAILED_EXIT_CODE
-from afd_common.selftest import free_port
 
-from .conftest import NUM_PROMPTS, long_request, say
-from .hosts import Hosts, our_netns
+from .conftest import NUM_PROMPTS, afd_pair, long_request, say
+from afd_common.bench.hosts import Hosts
 
 pytestmark = pytest.mark.e2e
 ATTENTION, FFN = 0, 1  # host indices
 STEP_TIMEOUT_S = 10
-
-
-@pytest.fixture(scope="module")
-def hosts():
-    before = our_netns()
-    made = Hosts(2)
-    try:
-        yield made
-    finally:
-        made.close()
-        assert our_netns() == before, "namespaces left behind"
-
-
-def _on(hosts: Hosts, i: int, name: str, model, port: int, role: str, logs, core: str) -> Server:
-    afd = afd_args(role, port, host=hosts.address(FFN),
-                   connector_extra_config={"step_timeout_s": STEP_TIMEOUT_S})
-    return Server(name, str(model), free_port(), logs / f"{name}.log", args=afd, cores=core,
-                  host=hosts.address(i), wrap=hosts.wrap(i),
-                  env={"VLLM_HOST_IP": hosts.address(i)})
 
 
 def _connects(hosts: Hosts | None, i: int, address: str, port: int) -> bool:
@@ -53,13 +33,9 @@ def _connects(hosts: Hosts | None, i: int, address: str, port: int) -> bool:
 
 def test_roles_on_two_hosts_give_the_colocated_answer_and_a_cut_link_fails_fast(
         hosts, models, colocated, logs):
-    port = free_port()
-    ffn = _on(hosts, FFN, "hosts-ffn", models["qwen3_moe"], port, "ffn", logs, "1").start()
-    attention = _on(hosts, ATTENTION, "hosts-attention", models["qwen3_moe"], port, "attention",
-                    logs, "0").start()
-    try:
-        attention.wait_ready(progress=say, others=(ffn,))
-        ffn.wait_ready(progress=say, others=(attention,))
+    with afd_pair("hosts", logs, models["qwen3_moe"], hosts=hosts,
+                  connector_extra_config={"step_timeout_s": STEP_TIMEOUT_S}) as pair:
+        attention, ffn, port = pair.attention, pair.ffn, pair.port
         problems = compare(complete(attention, PROMPTS[:NUM_PROMPTS]), colocated["qwen3_moe"])
         assert not problems, "\n".join(problems)
 
@@ -89,6 +65,3 @@ def test_roles_on_two_hosts_give_the_colocated_answer_and_a_cut_link_fails_fast(
         assert wait_gone([ffn], 120), ffn.log_tail()
         say(f"FFN role gone {time.monotonic() - cut:.1f} s after the cut, exit "
             f"{ffn.proc.returncode}")
-    finally:
-        for server in (attention, ffn):
-            server.stop(timeout_s=5)

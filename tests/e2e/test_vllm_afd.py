@@ -22,16 +22,17 @@ pytestmark = pytest.mark.e2e
 
 def weights(server) -> dict:
     """The first ``AFD weights:`` line of a server's log, by category."""
-    return weights_by_rank(server)[0]
+    return weights_by_rank([server])[0]
 
 
-def weights_by_rank(server) -> dict[int, dict]:
-    """Every worker's ``AFD weights:`` line (one per DP rank), by rank."""
+def weights_by_rank(servers) -> dict[int, dict]:
+    """Every worker's ``AFD weights:`` line (one per DP rank) in the servers' logs, by rank."""
     out = {}
-    for line in server.log_path.read_text().splitlines():
-        if "AFD weights:" in line:
-            entry = json.loads(line.split("AFD weights:", 1)[1])
-            out[entry.get("ffn_rank", 0)] = entry["by_category"]
+    for server in servers:
+        for line in server.log_path.read_text().splitlines():
+            if "AFD weights:" in line:
+                entry = json.loads(line.split("AFD weights:", 1)[1])
+                out[entry.get("ffn_rank", 0)] = entry["by_category"]
     return out
 
 
@@ -65,13 +66,16 @@ class Case:
     sharded: bool = False  # --enable-expert-parallel on both roles
     inorder: bool = False  # AFD_TEST_INORDER=1 on both roles: NCCL/HCCL matching on Gloo
     ngram: bool = False  # n-gram speculative decoding on the attention role
+    hosts: bool = False  # every DP rank on a host (network namespace) of its own
+
 
     @property
     def id(self) -> str:
         place = "sharded" if self.sharded else "replicated"
         return (f"{self.arch}-gate_on_{'attention' if self.gate_on_attention else 'ffn'}-"
                 f"{self.A}A{self.F}F-{place}-{self.connector}-m{self.m}"
-                + ("-inorder" if self.inorder else "") + ("-ngram" if self.ngram else ""))
+                + ("-inorder" if self.inorder else "") + ("-ngram" if self.ngram else "")
+                + ("-hosts" if self.hosts else ""))
 
     def afd(self) -> dict:
         extra = {}
@@ -100,7 +104,7 @@ CASES = [
     # micro-batches over P2P under in-order matching (AFD_TEST_INORDER, as on NCCL; A = F is in
     # the CAM cases below and the multi-process tests), and 3 FFN ranks with an uneven share on
     # DeepSeek-V2.
-    Case("qwen3_moe", True, F=2, m=3, sharded=True, inorder=True),
+    Case("qwen3_moe", True, F=2, m=3, sharded=True, inorder=True, hosts=True),
     Case("deepseek_v2", True, F=3, m=2, sharded=True),
     # The CAM connectors move the rows through the afd_ascend ops (portable kernels over Gloo),
     # both under in-order matching, as on HCCL: CAMP2p sharded (M2N through a2e/e2a), CAMAsync
@@ -113,7 +117,7 @@ CASES = [
     # table puts it (DeepSeek-V2 and Qwen3-MoE 1A1F with the gate on the FFN role: the load and
     # auth pairs of test_reliability). DeepSeek-V3 also with 2 attention ranks and m = 2.
     Case("deepseek_v3", False),
-    Case("deepseek_v3", True, A=2, m=2),
+    Case("deepseek_v3", True, A=2, m=2, hosts=True),
     Case("glm4_moe", True),
     Case("gpt_oss", True),
     Case("mixtral", True),
@@ -124,8 +128,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(case, models, colocated,
-                                                                    logs):
-    with afd_pair(case.id, logs, models[case.arch], **case.afd()) as pair:
+                                                                    logs, request):
+    hosts = request.getfixturevalue("hosts") if case.hosts else None
+    with afd_pair(case.id, logs, models[case.arch], hosts=hosts, **case.afd()) as pair:
         answers = complete(pair.attention, PROMPTS[:NUM_PROMPTS])
         problems = compare(answers, colocated[case.arch])
         assert not problems, "\n".join(problems)
@@ -155,7 +160,7 @@ def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(case, models,
             complete(pair.ffn, PROMPTS[:1])
 
         # Ctrl-C / SIGTERM on the attention server ends both roles, cleanly.
-        sigterm_ends_both(pair, pair.attention)
+        sigterm_ends_both(pair, pair.attention_ranks)
         assert pair.attention.proc.returncode == 0, "the server stopped on purpose exits 0"
         assert pair.ffn.proc.returncode in (0, FAILED_EXIT_CODE)
 
@@ -163,7 +168,7 @@ def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(case, models,
 def check_weights(pair, case: Case, model_dir) -> None:
     """Role-pruned weights, counted by name on each side; each FFN rank holds every routed
     expert in full (replicated) or exactly its share (sharded)."""
-    attn, ffn = weights(pair.attention), weights_by_rank(pair.ffn)
+    attn, ffn = weights(pair.attention), weights_by_rank(pair.ffn_ranks)
     say(f"{case.id}: attention holds {sorted(attn)}, FFN ranks hold "
         f"{ {f: w['routed_experts']['numel'] for f, w in sorted(ffn.items())} } routed-expert "
         f"elements; RSS attention {pair.attention.rss_bytes() / 2**20:.0f} MiB, FFN "
@@ -241,14 +246,17 @@ def check_metrics(pair, case: Case) -> None:
         f"{pairs:.0f} (token, expert) pairs over {len(experts)} experts")
 
 
-def sigterm_ends_both(pair, server) -> None:
-    """SIGTERM one server: both must be gone within 30 s. The peer exits 0 when the stopped
-    role's worker said goodbye before vLLM's shutdown killed it, else 3 (a lost peer)."""
+def sigterm_ends_both(pair, servers) -> None:
+    """SIGTERM one role (each of its servers: on several hosts, vLLM's headless DP ranks are
+    stopped host by host, as their front end does not stop them): both roles must be gone within
+    30 s. The peer exits 0 when the stopped role's worker said goodbye before vLLM's shutdown
+    killed it, else 3 (a lost peer)."""
     start = time.monotonic()
-    server.signal(signal.SIGTERM)
+    for server in servers:
+        server.signal(signal.SIGTERM)
     assert wait_gone(pair.servers, 30), "\n".join(
         f"{s.name}: processes left {s.pids()}\n{s.log_tail()}" for s in pair.servers)
-    say(f"SIGTERM on {server.name}: both roles gone after {time.monotonic() - start:.1f} s, "
+    say(f"SIGTERM on {servers[0].name}: both roles gone after {time.monotonic() - start:.1f} s, "
         f"exit codes: attention {pair.attention.proc.returncode}, FFN {pair.ffn.proc.returncode}")
 
 
@@ -292,6 +300,6 @@ def test_negative_control_and_sigterm_on_ffn_ends_both(control, models, colocate
         answers = complete(pair.attention, PROMPTS[:NUM_PROMPTS])
         differing = compare(answers, colocated[control.arch])
         assert len(differing) >= NUM_PROMPTS // 2, differing
-        sigterm_ends_both(pair, pair.ffn)
+        sigterm_ends_both(pair, pair.ffn_ranks)
         assert pair.ffn.proc.returncode == 0, "the server stopped on purpose exits 0"
         assert pair.attention.proc.returncode in (0, FAILED_EXIT_CODE)

@@ -122,7 +122,7 @@ def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
-        opts._devices = [_gloo_device(host)]
+        opts._devices = gloo_devices(host)
         return dist.ProcessGroupGloo(pstore, rank, size, opts)
     if backend == "nccl":  # pragma: no cover - needs CUDA; not exercised on the CPU machines
         opts = dist.ProcessGroupNCCL.Options()
@@ -138,16 +138,17 @@ def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int
     raise ValueError(f"unknown backend {backend!r}")
 
 
-def _gloo_device(host: str):
-    """The interface Gloo binds and advertises to its peers: the one ``GLOO_SOCKET_IFNAME`` names,
-    else the one that reaches the rendezvous host. Gloo's own default resolves this machine's
-    hostname, which is often a loopback address (/etc/hosts): peers on other hosts would be told
-    to connect to 127.0.0.1."""
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return dist.ProcessGroupGloo.create_default_device()
+def gloo_devices(host: str) -> list:
+    """The interfaces Gloo binds and advertises to its peers: those ``GLOO_SOCKET_IFNAME`` names
+    (comma-separated, as torch.distributed reads it for its own groups), else the one that reaches
+    the rendezvous host. Gloo's own default resolves this machine's hostname, which is often a
+    loopback address (/etc/hosts): peers on other hosts would be told to connect to 127.0.0.1."""
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    if names:
+        return [dist.ProcessGroupGloo.create_device(interface=n) for n in names]
     if is_loopback(host):
-        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-    return dist.ProcessGroupGloo.create_device(hostname=local_address_towards(host))
+        return [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(host))]
 
 
 def local_address_towards(host: str) -> str:

@@ -12,9 +12,12 @@ from pathlib import Path
 
 from afd_common.bench import load, prom, report, stats
 from afd_common.bench.environment import cpu_model, prepare_model, say, versions
+from afd_common.bench.hosts import Hosts
 from afd_common.bench.options import MAX_MODEL_LEN, parse_args
 from afd_common.launch import Server, afd_args, wait_gone
 
+ATTENTION_HOST, FFN_HOST = 0, 1  # --hosts: the roles' namespaces
+UNLIMITED = "unlimited"  # --hosts: the namespaces' link without a cap
 
 
 class Waiting:
@@ -159,7 +162,9 @@ class Bench:
             stop_all(list(servers.values()))
         return results
 
-    def afd(self, m: int, moe_layers: int) -> dict:
+    def afd(self, m: int, moe_layers: int, hosts: Hosts | None = None) -> dict[str, dict]:
+        """AFD with ``m`` micro-batches: on loopback (``afd_mM``), or with each role on a host
+        of ``hosts`` and one measurement per link rate (``afd_mM@RATE``, "unlimited" first)."""
         a = self.args
         name = f"afd_m{m}"
         port = free_port()
@@ -167,12 +172,23 @@ class Bench:
                  "num_ffn_ranks": a.ffn_ranks, "connector_extra_config": {"num_micro_batches": m}}
         placement = ["--enable-expert-parallel"] if a.sharded else []
         ffn_dp = ["--data-parallel-size", str(a.ffn_ranks)] if a.ffn_ranks > 1 else []
+        where: dict[str, dict] = {"attention": {}, "ffn": {}}
+        if hosts is not None:
+            name += "@hosts"
+            extra["host"] = hosts.address(FFN_HOST)
+            for role, i in (("attention", ATTENTION_HOST), ("ffn", FFN_HOST)):
+                where[role] = {"host": hosts.address(i), "wrap": hosts.wrap(i),
+                               "env": hosts.env(i, data_parallel=role == "ffn"
+                                                and a.ffn_ranks > 1)}
         ffn = Server(f"{name}-ffn", self.model, free_port(), self.logs / f"{name}-ffn.log",
-                     args=self.server_args + afd_args("ffn", port, **extra) + ffn_dp + placement)
+                     args=self.server_args + afd_args("ffn", port, **extra) + ffn_dp + placement,
+                     **where["ffn"])
         attention = Server(f"{name}-attention", self.model, free_port(),
                            self.logs / f"{name}-attention.log",
                            args=self.server_args + afd_args("attention", port, **extra)
-                           + placement)
+                           + placement, **where["attention"])
+        links = [None] if hosts is None else [UNLIMITED, *a.rates]
+        out = {}
         t0 = time.monotonic()
         try:
             self._start(ffn, self.cores["ffn"])
@@ -182,12 +198,25 @@ class Bench:
             ffn.wait_ready(a.ready_timeout, progress=waiting, others=(attention,))
             startup = time.monotonic() - t0
             waiting.done(f"{name}: both roles ready after {startup:.0f} s")
-            summary, scrapes = self.measure(name, attention.url,
-                                            {"attention": attention.url, "ffn": ffn.url})
+            for link in links:
+                label = f"afd_m{m}" if link is None else f"afd_m{m}@{link}"
+                if hosts is not None:
+                    hosts.cap(FFN_HOST, None if link == UNLIMITED else link)
+                summary, scrapes = self.measure(label, attention.url,
+                                                {"attention": attention.url, "ffn": ffn.url})
+                out[label] = self._afd_result(label, summary, scrapes, m, moe_layers, startup,
+                                              attention, ffn, link)
         except Exception as e:
             raise ConfigFailed(name, e, (attention, ffn)) from e
         finally:
             stop_all([attention, ffn])
+            if hosts is not None:
+                hosts.cap(FFN_HOST, None)
+        return out
+
+    @staticmethod
+    def _afd_result(name: str, summary: dict, scrapes: dict, m: int, moe_layers: int,
+                    startup: float, attention: Server, ffn: Server, link: str | None) -> dict:
         breakdown, missing = stats.afd_breakdown(scrapes, m, moe_layers)
         if missing:
             print(f"warning: {name}: no data for {', '.join(missing)} on /metrics; "
@@ -198,7 +227,7 @@ class Bench:
                   flush=True)
         return {**summary, **breakdown, "startup_s": startup, "num_micro_batches": m,
                 "cores": {"attention": attention.cores, "ffn": ffn.cores}, "omp_threads": 1,
-                "missing_metrics": missing}
+                "link": link or "loopback", "missing_metrics": missing}
 
 
 class ConfigFailed(Exception):
@@ -231,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args, model, vocab)
 
     plan = ([] if args.skip_colocated else ["colocated_t1, colocated_t2"]) + \
-        [f"afd_m{m}" for m in args.mb_list]
+        [f"afd_m{m}" for m in args.mb_list] + \
+        ([f"afd_m{m}@hosts" for m in args.mb_list] if args.rates else [])
+    hosts = None
     results: dict[str, dict] = {}
     errors: list[str] = []
     interrupted = False
@@ -241,14 +272,19 @@ def main(argv: list[str] | None = None) -> int:
             if name.startswith("colocated"):
                 outcomes = bench.colocated(name.split(", "))
             else:
+                m, _, on_hosts = name[5:].partition("@")
+                if on_hosts and hosts is None:
+                    hosts = Hosts(2)
                 try:
-                    outcomes = {name: bench.afd(int(name[5:]), moe_layers)}
+                    outcomes = bench.afd(int(m), moe_layers, hosts if on_hosts else None)
                 except ConfigFailed as e:
-                    outcomes = {name: e}
+                    outcomes = ({f"afd_m{m}@{link}": e for link in (UNLIMITED, *args.rates)}
+                                if on_hosts else {name: e})
             for config, outcome in outcomes.items():
                 if isinstance(outcome, ConfigFailed):
-                    errors.append(str(outcome))
-                    print(f"error: {outcome}", file=sys.stderr, flush=True)
+                    if str(outcome) not in errors:
+                        errors.append(str(outcome))
+                        print(f"error: {outcome}", file=sys.stderr, flush=True)
                     results[config] = report.empty_result("failed", error=outcome.summary)
                 else:
                     results[config] = {"status": "ok", **outcome}
@@ -257,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         interrupted = True
     finally:
         stop_all([s for s in bench.started if not s.exited() or s.pids()])
+        if hosts is not None:
+            hosts.close()
 
     ordered = finish(results, args, info, moe_layers, model, time.monotonic() - started)
     print(report.table(ordered))
@@ -283,6 +321,10 @@ def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_
                "colocated_t2": results.get("colocated_t2", report.empty_result())}
     for m in sorted({1, 2, 3, *args.mb_list}):
         ordered[f"afd_m{m}"] = results.get(f"afd_m{m}", report.empty_result())
+    for m in args.mb_list if args.rates else ():
+        for link in (UNLIMITED, *args.rates):
+            name = f"afd_m{m}@{link}"
+            ordered[name] = results.get(name, report.empty_result(link=link))
     cfg = info["config"]
     setup = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -307,6 +349,10 @@ def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_
                    "enforce_eager": True, "max_model_len": MAX_MODEL_LEN},
         "afd": {"connector": args.connector, "compute_gate_on_attention": args.gate_on_attention,
                 "micro_batches": args.mb_list},
+        "hosts": ({"rates": [UNLIMITED, *args.rates],
+                   "link": "each role in its own network namespace, veth pairs on one bridge; a "
+                           "rate caps the FFN host's link both ways (tc tbf)"}
+                  if args.rates else None),
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count()},
         "versions": versions(),
         "total_s": total_s,

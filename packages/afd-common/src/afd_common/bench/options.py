@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 QUICK = {"concurrency": 8, "output_len": 32, "repeats": 1}
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--sharded", action="store_true",
                    help="shard the experts over the FFN ranks (--enable-expert-parallel on both "
                    "roles; implies --gate-on-attention)")
+    h = ap.add_argument_group("hosts (root only)")
+    h.add_argument("--hosts", metavar="RATES",
+                   help="also run each AFD configuration with the roles on two hosts (network "
+                   "namespaces on a bridge, started once per configuration) over the link "
+                   "uncapped and capped at each rate, tc syntax: e.g. 100mbit,1gbit,10gbit. "
+                   "Results appear as afd_mM@RATE beside the loopback runs")
     ap.add_argument("--kv-cache-gib", type=float, default=0.5,
                     help="KV cache per server (--kv-cache-memory-bytes), default 0.5")
     ap.add_argument("--ready-timeout", type=float, default=600,
@@ -96,6 +103,20 @@ def parse_args(argv):
            args.warmup_tokens) < 1:
         ap.error("--concurrency, --output-len, --repeats, --prompt-len, --warmup-tokens must "
                  "be >= 1")
+    args.rates = []
+    if args.hosts is not None:
+        from afd_common.bench.hosts import rate_bits
+
+        args.rates = [r.strip().lower() for r in args.hosts.split(",") if r.strip()]
+        try:
+            for r in args.rates:
+                rate_bits(r)
+        except ValueError as e:
+            ap.error(f"--hosts: {e}")
+        if not args.rates:
+            ap.error("--hosts takes at least one rate, e.g. 100mbit,1gbit")
+        if os.geteuid() != 0:
+            ap.error("--hosts creates network namespaces: run afd-bench as root")
     if args.prompt_len + args.output_len > MAX_MODEL_LEN:
         ap.error(f"--prompt-len + --output-len must be <= {MAX_MODEL_LEN} (--max-model-len)")
     return args

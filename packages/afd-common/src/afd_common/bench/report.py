@@ -75,7 +75,7 @@ def write_chart(path: Path, results: dict[str, dict], title: str = "") -> Path |
 
     shown = {k: v for k, v in results.items() if k != "colocated" and v.get("status") != "not run"}
     afd = {k: v for k, v in shown.items() if k.startswith("afd_")}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(12.0, 4 + 0.8 * len(shown)), 4.8))
 
     names = list(shown)
     tps = [shown[n].get("tokens_per_s") or 0.0 for n in names]

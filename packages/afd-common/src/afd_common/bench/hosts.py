@@ -1,21 +1,39 @@
 """Hosts on one machine: network namespaces on a bridge, each with its own address and loopback.
 
-Root only. Everything is named after this process (``afd<pid>``), removed on ``close()``, and a
-leftover of an earlier run that died is removed before a new one is made. The bridge has an
-address too, so the test process (in the root namespace) reaches every host's servers directly.
+For ``afd-bench --hosts`` and the multi-host tests. Root only. Everything is named after this
+process (``afd<pid>``), removed on ``close()``, and a leftover of an earlier run that died is
+removed before a new one is made. The bridge has an address too, so this process (in the root
+namespace) reaches every host's servers directly. A host's link can be capped (``tc`` token
+bucket on both ends of its veth: each end shapes what it sends) and cut.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from dataclasses import dataclass, field
 
 SUBNET = "10.231.0"  # private range (RFC 1918), used only inside the namespaces made here
+IFNAME = "eth0"  # each host's interface on the bridge
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$")
+
+
+def rate_bits(rate: str) -> float:
+    """``tc``'s rate syntax as bits per second: "100mbit" -> 1e8. ValueError names the rate."""
+    match = RATE.match(rate.strip().lower())
+    if not match:
+        raise ValueError(f"bandwidth {rate!r}: write it as tc does, e.g. 100mbit, 1gbit, 10gbit")
+    value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
+    if value <= 0:
+        raise ValueError(f"bandwidth {rate!r} must be > 0")
+    return value
 
 
 def our_netns() -> list[str]:
@@ -61,16 +79,37 @@ class Hosts:
             ns, veth = self.name(i), self._veth(i)
             ip("netns", "add", ns)
             self._made.append(("netns", "del", ns))
-            ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip("link", "add", veth, "type", "veth", "peer", "name", IFNAME, "netns", ns)
             self._made.append(("link", "del", veth))
             ip("link", "set", veth, "master", self.bridge, "up")
-            ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
-            ip("-n", ns, "link", "set", "eth0", "up")
+            ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME)
+            ip("-n", ns, "link", "set", IFNAME, "up")
             ip("-n", ns, "link", "set", "lo", "up")
+
+    def env(self, i: int, data_parallel: bool) -> dict[str, str]:
+        """What a vLLM process on host ``i`` needs: its own address for vLLM and, for a DP rank,
+        vLLM's Gloo DP group bound to its interface (``GLOO_SOCKET_IFNAME``; afd's groups then
+        bind it too). The namespaces share this machine's hostname, which resolves to 127.0.0.1,
+        Gloo's default. Without DP, afd finds the interface itself (the route to ``host``)."""
+        env = {"VLLM_HOST_IP": self.address(i)}
+        return {**env, "GLOO_SOCKET_IFNAME": IFNAME} if data_parallel else env
 
     def wrap(self, i: int) -> list[str]:
         """The command prefix that runs a program on host ``i``."""
         return ["ip", "netns", "exec", self.name(i)]
+
+    def cap(self, i: int, rate: str | None) -> None:
+        """Cap host ``i``'s link at ``rate`` (tc syntax, e.g. "1gbit") in both directions; None
+        lifts the cap. The bucket holds 10 ms of traffic (at least 64 KiB), the queue 50 ms."""
+        for netns, dev in ((None, self._veth(i)), (self.name(i), IFNAME)):
+            tc = ["tc", *(["-n", netns] if netns else []), "qdisc"]
+            if rate is None:
+                subprocess.run([*tc, "del", "dev", dev, "root"], capture_output=True)
+                continue
+            burst = max(64 * 1024, int(rate_bits(rate) / 8 / 100))
+            subprocess.run([*tc, "replace", "dev", dev, "root", "tbf", "rate", rate, "burst",
+                            str(burst), "latency", "50ms"], capture_output=True, text=True,
+                           check=True)
 
     def cut(self, i: int) -> None:
         """Unplug host ``i``: its packets go nowhere, no connection is closed."""
