@@ -186,3 +186,25 @@ def test_ffn_side_refuses_a_step_larger_than_its_own_limit():
     with pytest.raises(AFDProtocolError, match="attention rank 0 announced .* more than "
                                                "max_num_tokens 64"):
         conn.on_step(huge)
+
+
+@pytest.mark.parametrize("connector", ["P2pAFDConnector", "CAMP2pAFDConnector"])
+@pytest.mark.parametrize("bad", [-1, 8, 2**31 - 1])
+def test_ffn_side_refuses_expert_ids_outside_the_model(connector, bad):
+    """With the gate on the attention role the top-k ids arrive off the wire, and the MoE kernels
+    index the expert weights with them: an id outside the model is refused, naming the peer."""
+    from afd_common.errors import AFDProtocolError
+    from afd_common.metadata import WorkItemMeta
+
+    shape = ModelShape(hidden_size=16, dtype=torch.float32, num_layers=1, moe_layers=(0,),
+                       num_experts=8, top_k=2)
+    cfg = parse_afd_config({"role": "ffn", "port": 1, "connector": connector,
+                            "compute_gate_on_attention": True})
+    conn = resolve_connector(connector, "ffn")(cfg, 0, shape)
+    meta = WorkItemMeta(layer_idx=0, stage=1, step=0, sources=((0, 3),))
+    ids = torch.tensor([[0, 7], [1, 2], [3, bad]], dtype=torch.int32)
+    with pytest.raises(AFDProtocolError, match=rf"attention rank 0: layer 0 stage 1 routes to "
+                                               rf"expert id {bad}, outside \[0, 8\)"):
+        conn.work_item(torch.zeros(3, 16), meta, ids, torch.ones(3, 2))
+    item = conn.work_item(torch.zeros(3, 16), meta, ids.clamp(0, 7), torch.ones(3, 2))
+    assert item.topk_ids.max() == 7

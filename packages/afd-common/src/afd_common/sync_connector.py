@@ -16,7 +16,7 @@ from afd_common.attention_half import AttentionHalf
 from afd_common.contract import ControlPlane, FFNConnector, StepPlan
 from afd_common.control_plane import GlooControlPlane
 from afd_common.errors import AFDProtocolError
-from afd_common.metadata import LayerCall, StepKind, StepMetadata
+from afd_common.metadata import LayerCall, StepKind, StepMetadata, WorkItem, WorkItemMeta
 from afd_common.transport import PeerIO
 from afd_common.world import AFDWorld
 
@@ -139,6 +139,21 @@ class SyncFFNConnector(_SyncHalf, FFNConnector):
             raise ValueError(f"step {plan.step} stage {stage_idx} brings {total} rows, more "
                              f"than max_num_tokens {max_num_tokens}")
         return sources
+
+    def work_item(self, hidden: torch.Tensor, meta: WorkItemMeta, ids: torch.Tensor | None,
+                  weights: torch.Tensor | None, handle: object | None = None) -> WorkItem:
+        """The received rows as a work item, once the top-k expert ids that came with them (gate
+        on the attention role) are known to name experts of this model: the MoE kernels index
+        the expert weights with them, unchecked. One host sync per item that carries ids."""
+        if ids is not None and ids.numel():
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            if lo < 0 or hi >= self.shape.num_experts:
+                raise AFDProtocolError(
+                    f"attention rank{'s' if len(meta.sources) > 1 else ''} "
+                    f"{', '.join(str(a) for a, _ in meta.sources)}: layer {meta.layer_idx} stage "
+                    f"{meta.stage} routes to expert id {lo if lo < 0 else hi}, outside [0, "
+                    f"{self.shape.num_experts}) (topk_ids)")
+        return WorkItem(hidden, meta, ids, weights, handle=handle)
 
     def _check_output(self, output: torch.Tensor, rows: int) -> None:
         want = (rows, self.shape.hidden_size)

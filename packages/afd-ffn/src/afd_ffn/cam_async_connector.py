@@ -14,6 +14,7 @@ import torch
 
 from afd_common.cam_wire import ATTENTION_TP as TP_SIZE, CAMAsyncHalf, op_error
 from afd_common.contract import FFNConnector
+from afd_common.errors import AFDProtocolError
 from afd_common.metadata import StepKind, WorkItem, WorkItemMeta
 
 
@@ -58,7 +59,10 @@ class CAMAsyncFFNConnector(CAMAsyncHalf, FFNConnector):
                 meta = WorkItemMeta(layer_idx=-1, stage=stage_idx, step=self._items, sources=(),
                                     is_stop=True, kind=StepKind.STOP)
                 return WorkItem(x[:0], meta)
-        self.shape.check_layer(layer)
+        try:
+            self.shape.check_layer(layer)
+        except ValueError as e:
+            raise AFDProtocolError(f"attention rank {source}: {e}") from None
         rows = x[:n]
         if self._quant:
             rows = (rows.to(torch.float32) * scales[:n, None]).to(shape.dtype)

@@ -52,7 +52,8 @@ class CAMP2pFFNConnector(CAMP2pHalf, SyncFFNConnector):
                                    f"plane announced {[n for _, n in sources]}")
         meta = WorkItemMeta(layer_idx=layer_idx, stage=stage_idx, step=self._plan.step,
                             sources=sources, kind=self._plan.kind)
-        return WorkItem(x, meta, ids if gate else None, weights if gate else None, handle=counts)
+        return self.work_item(x, meta, ids if gate else None, weights if gate else None,
+                              handle=counts)
 
     def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
         self._require_net()

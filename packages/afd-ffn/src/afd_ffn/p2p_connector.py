@@ -55,7 +55,7 @@ class P2pFFNConnector(SyncFFNConnector):
                    if gate else None)
             weights = (torch.empty(0, shape.top_k, dtype=torch.float32, device=self.device)
                        if gate else None)
-        return WorkItem(hidden, meta, ids, weights)
+        return self.work_item(hidden, meta, ids, weights)
 
     def _routed_counts(self, bounds, layer_idx: int, stage_idx: int):
         """(attention rank, rows routed here) for this layer, each checked against the rows that
