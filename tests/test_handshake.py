@@ -200,3 +200,69 @@ def test_gloo_binds_the_interfaces_gloo_socket_ifname_names(monkeypatch):
         gloo_devices("10.0.0.2")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     assert len(gloo_devices("127.0.0.1")) == 1
+
+
+def test_signed_store_refuses_entries_no_authenticated_rank_wrote():
+    """With an auth_token the groups' rendezvous entries are signed: a raw write (a process that
+    only reaches the port), an entry signed under another key (another token or session) and a
+    valid entry copied under another name are all refused."""
+    import torch.distributed as dist
+
+    from afd_common.errors import AFDPeerError
+    from afd_common.transport import SignedStore
+
+    inner = dist.HashStore()
+    ours, other = SignedStore(inner, b"this session"), SignedStore(inner, b"another")
+    ours.set("rank/0", b"10.0.0.1:4000")
+    assert ours.get("rank/0") == b"10.0.0.1:4000"
+    inner.set("rank/0", b"10.6.6.6:4000")
+    with pytest.raises(AFDPeerError, match="'rank/0' was not written by an authenticated"):
+        ours.get("rank/0")
+    other.set("rank/0", b"10.6.6.6:4000")
+    with pytest.raises(AFDPeerError, match="'rank/0'"):
+        ours.get("rank/0")
+    ours.set("rank/1", b"10.0.0.2:4000")
+    inner.set("rank/0", inner.get("rank/1"))
+    with pytest.raises(AFDPeerError, match="'rank/0'"):
+        ours.get("rank/0")
+
+
+def test_a_forged_group_entry_cannot_redirect_a_rank():
+    """During group formation a process without the key overwrites rank 0's entry in the
+    rendezvous store: rank 1 refuses to connect where it points, with the reason."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from afd_common.errors import AFDPeerError
+    from afd_common.transport import SignedStore, new_group
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False)
+    errors = []
+    signed = [SignedStore(master, b"k")]
+
+    def rank0():
+        try:
+            new_group("gloo", signed[0], "afd/pg/data", 0, 2, 3.0, "127.0.0.1")
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not (keys := [k for k in master.list_keys() if k.startswith("afd/pg/data")]):
+            assert time.monotonic() < deadline, "rank 0 never published its entry"
+            time.sleep(0.01)
+        attacker = dist.TCPStore("127.0.0.1", port, 2, False,
+                                 timeout=datetime.timedelta(seconds=10))
+        attacker.set(keys[0], b"\x01" * 64)
+        signed.append(SignedStore(attacker, b"k"))  # rank 1's view, through the same port
+        with pytest.raises(AFDPeerError, match="not written by an authenticated AFD rank"):
+            new_group("gloo", signed[1], "afd/pg/data", 1, 2, 3.0, "127.0.0.1")
+    finally:
+        t.join(timeout=30)
+    assert errors, "rank 0 cannot form the group without rank 1"

@@ -8,6 +8,8 @@ configured host only and handed to the TCPStore.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -112,6 +114,57 @@ class Rendezvous:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class SignedStore(dist.Store):
+    """The rendezvous store as the process groups see it: every value carries an HMAC over its
+    key and value under a key only the authenticated ranks hold, and a value without a valid
+    one is refused. The store is reachable by anyone who reaches the port, and a group's
+    backend learns each rank's address from it: after the handshake a host without the token
+    could otherwise redirect a rank (or join in its place) by overwriting that entry.
+
+    Only what the process-group backends use is forwarded (set, get, wait, check; add, whose
+    counters name no address; the timeout). The owner keeps this object alive as long as any
+    group made over it: the backend holds only the C++ side, whose Python methods go with it."""
+
+    def __init__(self, inner: dist.Store, key: bytes):
+        super().__init__()
+        self._inner, self._key = inner, key
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._key, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value) -> None:
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        self._inner.set(key, self._mac(key, value) + value)
+
+    def get(self, key: str) -> bytes:
+        data = bytes(self._inner.get(key))
+        mac, value = data[:32], data[32:]
+        if not hmac.compare_digest(mac, self._mac(key, value)):
+            raise AFDPeerError(f"rendezvous entry {key!r} was not written by an authenticated "
+                               "AFD rank (another process writes to the rendezvous store?); "
+                               "refusing to connect to the address it names")
+        return value
+
+    def wait(self, keys, timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def check(self, keys) -> bool:
+        return self._inner.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._inner.timeout
 
 
 def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int,

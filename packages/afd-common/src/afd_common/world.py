@@ -11,7 +11,10 @@ must not find the store gone and stop without knowing why.
 
 With an ``auth_token`` every hello carries an HMAC over the master's fresh session nonce and the
 hello itself: a peer proves it holds the token without sending it, and a peer without it (or with
-another) is refused before it can join any process group. Traffic is not encrypted.
+another) is refused before it can join any process group. The groups' own rendezvous entries (each
+rank's address) are then signed with a key derived from the token and the nonce
+(``transport.SignedStore``), so a host that reaches the store cannot redirect a rank after the
+handshake either. Traffic is not encrypted.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from afd_common.codec import WIRE_VERSION, decode_json, encode_json
 from afd_common.config import AFDConfig
 from afd_common.errors import (AFDError, AFDHandshakeError, AFDPeerError, AFDProtocolError,
                                AFDTimeoutError)
-from afd_common.transport import PROGRESS_EVERY_S, Rendezvous, new_group
+from afd_common.transport import PROGRESS_EVERY_S, Rendezvous, SignedStore, new_group
 
 logger = logging.getLogger("vllm.afd")
 
@@ -66,6 +69,7 @@ class AFDWorld:
         self.rank = global_rank_of(config.role, local_rank)
         self.timeout_s = timeout_s
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self._group_store: SignedStore | None = None
         self._roles = {global_rank_of("attention", a): ("attention", a)
                        for a in range(config.num_attention_ranks)}
         self._roles.update({global_rank_of("ffn", f): ("ffn", f)
@@ -115,6 +119,9 @@ class AFDWorld:
                  "role": self.config.role, "rank": self.rank, "fingerprint": fingerprint}
         token = self.config.extra.auth_token
         signed = dict(hello, mac=sign(token, session, hello) if token else None)
+        if token:  # the groups' rendezvous entries, signed under a key only token holders have
+            self._group_store = SignedStore(store, hmac.new(token.encode(), b"afd-groups\0"
+                                                            + session, hashlib.sha256).digest())
         store.set(f"afd/hello/{self.rank}", encode_json(signed))
         others = [r for r in range(self.world_size) if r != self.rank]
         # Check each peer as soon as it says hello: one mismatched peer is refused at once, not
@@ -224,9 +231,10 @@ class AFDWorld:
     def group(self, name: str, backend: str) -> dist.ProcessGroup:
         """A process group over the whole world, created once per name."""
         if name not in self.groups:
-            self.groups[name] = new_group(backend, self.rendezvous.store, f"afd/pg/{name}",
-                                          self.rank, self.world_size, self.timeout_s,
-                                          self.config.host)
+            store = self._group_store
+            self.groups[name] = new_group(backend, self.rendezvous.store if store is None
+                                          else store, f"afd/pg/{name}", self.rank,
+                                          self.world_size, self.timeout_s, self.config.host)
         return self.groups[name]
 
     def close(self) -> None:
