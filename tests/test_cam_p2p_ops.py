@@ -159,6 +159,27 @@ def test_a2e_e2a_sharded_experts_m2n(A, F, inorder, monkeypatch):
     assert sum(checked[F:]) == sum(checked[:F]) > 0
 
 
+def _oversized_a2e_rank(rank, group, bound):
+    """The attention rank sends 5 rows; the FFN rank accepts at most ``bound``."""
+    common = dict(hidden_size=H, expert_rank_size=1, attention_rank_size=1, rank=rank,
+                  group_ep=group)
+    if rank == 1:
+        torch.ops.afd_ascend.a2e(torch.ones(5, H), batch_size=5, **common)
+        return "sent"
+    with pytest.raises(RuntimeError, match=f"sent 5 rows in total, more than batch_size = "
+                                           f"{bound}"):
+        torch.ops.afd_ascend.a2e(torch.empty(0, H), batch_size=bound, **common)
+    return "refused"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("bound", [0, 4])
+def test_a2e_refuses_more_rows_than_the_ffn_rank_accepts(bound):
+    """A peer's row count is never trusted: the FFN side's batch_size bounds what it allocates
+    (0 included: no row is expected, none is taken)."""
+    assert run_op_world(_oversized_a2e_rank, 2, bound) == ["refused", "sent"]
+
+
 def test_unknown_group_and_bad_world_are_named():
     afd_ascend_ops.ensure_cam_p2p_ops_available("cpu")
     x = torch.zeros(2, H)

@@ -6,8 +6,9 @@
 //
 // a2e, attention side: sends a header (int64 rows) and, when rows > 0, one payload
 //   [expert_ids | scales | x] as bytes when compute_gate, else x itself.
-// a2e, FFN side (x/expert_ids/scales empty: only their dtypes are used; batch_size = rows
-//   expected in total, or 0 for "whatever arrives"): returns expand_x [n, H] (the sources' rows
+// a2e, FFN side (x/expert_ids/scales empty: only their dtypes are used; batch_size = the most
+//   rows this rank accepts in total, checked against the headers before anything is allocated:
+//   a peer's count is never trusted): returns expand_x [n, H] (the sources' rows
 //   concatenated in order, zero padded up to batch_size), expert_ids / scales [n, topk] (topk 0
 //   without compute_gate), atten_batch_size int64 [sources] and the active mask bool [n].
 //   On the attention side the outputs are empty except atten_batch_size = [rows sent].
@@ -152,6 +153,8 @@ std::vector<at::Tensor> a2e(const at::Tensor& x, const std::optional<at::Tensor>
             at::empty({0}, opts.dtype(at::kBool))};
   }
 
+  TORCH_CHECK(batch_size >= 0, "afd_ascend.a2e: batch_size (the most rows the FFN rank accepts) "
+              "must be >= 0, got ", batch_size);
   auto srcs = w.sources(rank);
   std::vector<at::Tensor> headers;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -169,10 +172,10 @@ std::vector<at::Tensor> a2e(const at::Tensor& x, const std::optional<at::Tensor>
     counts.push_back(c);
     total += c;
   }
-  TORCH_CHECK(batch_size <= 0 || total <= batch_size, "afd_ascend.a2e: the attention ranks sent ",
-              total, " rows in total, more than batch_size = ", batch_size);
+  TORCH_CHECK(total <= batch_size, "afd_ascend.a2e: the attention ranks sent ", total,
+              " rows in total, more than batch_size = ", batch_size);
   // Sharded: batch_size is a bound (the step's tokens), the rows are what the routing sent.
-  int64_t n = batch_size > 0 && !w.m2n ? batch_size : total;
+  int64_t n = w.m2n ? total : batch_size;
   auto expand_x = at::zeros({n, H}, opts);
   auto ids = at::zeros({n, k}, opts.dtype(ids_dtype));
   auto sc = at::zeros({n, k}, opts.dtype(sc_dtype));
