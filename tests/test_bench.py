@@ -218,6 +218,16 @@ def test_cli_defaults_and_validation():
             parse_args(bad)
 
 
+def test_hosts_rates_are_read_as_tc_writes_them_and_bad_ones_named(capsys):
+    args = parse_args(["--hosts", "100mbit, 1Gbit"])
+    assert args.rates == ["100mbit", "1gbit"] and parse_args([]).rates == []
+    for bad, named in (("fast", "'fast'"), ("", "at least one rate")):
+        with pytest.raises(SystemExit):
+            parse_args(["--hosts", bad])
+        err = capsys.readouterr().err
+        assert "--hosts" in err and named in err, err
+
+
 def test_prompts_are_fixed_and_in_range():
     a = make_prompts(4, 16, 300, seed=1)
     assert a == make_prompts(4, 16, 300, seed=1) != make_prompts(4, 16, 300, seed=2)

@@ -361,7 +361,7 @@ def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_
     m = setup["model"]
     title = (f"{m['arch']} h{m['hidden_size']} L{m['num_layers']} E{m['num_experts']} "
              f"top{m['top_k']}, {args.concurrency} req x {args.output_len} tok, "
-             f"cores {args.cores}")
+             f"cores {args.cores}" + ("; @RATE: roles on two hosts" if args.rates else ""))
     report.write_chart(args.out / "bench.png", ordered, title)
     return ordered
 

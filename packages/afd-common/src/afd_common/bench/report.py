@@ -61,6 +61,11 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n(times in ms; t_a/t_e/t_c per MoE layer and micro-batch)"
 
 
+def _label(name: str) -> str:
+    """A configuration's name on the chart: the link (afd-bench --hosts) on a line of its own."""
+    return name.replace("@", "\n@")
+
+
 def write_chart(path: Path, results: dict[str, dict], title: str = "") -> Path | None:
     """Left: tokens/s per configuration with the ratio to colocated on each bar. Right: one step
     of each AFD configuration per role -- the attention role's compute, time blocked on results
@@ -80,7 +85,7 @@ def write_chart(path: Path, results: dict[str, dict], title: str = "") -> Path |
     names = list(shown)
     tps = [shown[n].get("tokens_per_s") or 0.0 for n in names]
     colors = ["tab:gray" if n.startswith("colocated") else "tab:blue" for n in names]
-    bars = left.bar(names, tps, color=colors)
+    bars = left.bar([_label(n) for n in names], tps, color=colors)
     for bar, name in zip(bars, names):
         r = shown[name]
         text = "failed" if r.get("status") == "failed" else (
@@ -89,7 +94,7 @@ def write_chart(path: Path, results: dict[str, dict], title: str = "") -> Path |
                       ha="center", va="bottom", fontsize=9)
     left.set_ylabel("output tokens / s")
     left.set_title("throughput (ratio vs faster colocated)")
-    left.tick_params(axis="x", labelrotation=20)
+    left.tick_params(axis="x", labelrotation=30, labelsize=8 if len(names) > 6 else 10)
     left.margins(y=0.15)
 
     # Right: one step of each AFD configuration, as each role spent it.
@@ -123,7 +128,8 @@ def write_chart(path: Path, results: dict[str, dict], title: str = "") -> Path |
                        (len(anames) - 0.5, best["tpot_p50_ms"]), ha="right", va="bottom",
                        fontsize=8)
         top = max(top, best["tpot_p50_ms"])
-    right.set_xticks(x, [f"{n}\nattn | FFN" for n in anames])
+    right.set_xticks(x, [_label(n) for n in anames], fontsize=8 if len(anames) > 4 else 10)
+    right.set_xlabel("each configuration: attention role | FFN role")
     right.set_ylabel("ms per step (one model forward)")
     right.set_title("where a step goes (per role)")
     right.set_ylim(0, top * 1.25 if top else 1)
