@@ -97,3 +97,16 @@ def test_rates_read_as_tc_writes_them(rate, bits):
 def test_a_bad_rate_is_refused_by_value(rate):
     with pytest.raises(ValueError, match=rate.replace(" ", ".")):
         rate_bits(rate)
+
+
+def test_harnesses_alive_at_once_share_no_name_or_subnet(two_hosts):
+    """One process may hold several (the e2e session's hosts and a test's own): each has its own
+    names and its own subnet, so neither clashes with nor reroutes the other."""
+    other = Hosts(1)
+    try:
+        assert other.name(0) not in (two_hosts.name(0), two_hosts.name(1))
+        assert other.address(0).rsplit(".", 1)[0] != two_hosts.address(0).rsplit(".", 1)[0]
+        assert _send(two_hosts, 0, 1) < 5
+    finally:
+        other.close()
+    assert other.name(0) not in our_netns()

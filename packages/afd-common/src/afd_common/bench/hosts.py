@@ -9,12 +9,15 @@ bucket on both ends of its veth: each end shapes what it sends) and cut.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
 from dataclasses import dataclass, field
 
-SUBNET = "10.231.0"  # private range (RFC 1918), used only inside the namespaces made here
+# Private range (RFC 1918), used only inside the namespaces made here: 10.231.X.0/24, a third
+# octet of its own per instance, so instances alive at once never share a route.
+SUBNET_PREFIX = "10.231"
 IFNAME = "eth0"  # each host's interface on the bridge
 
 
@@ -22,6 +25,7 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
+_instances = itertools.count()
 RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$")
 
 
@@ -45,7 +49,10 @@ def our_netns() -> list[str]:
 @dataclass
 class Hosts:
     count: int
-    tag: str = field(default_factory=lambda: f"afd{os.getpid()}")
+    # afd<pid>x<n>: unique per instance (one process may hold several, e.g. a test session's
+    # hosts and a test's own), and names the process that made it. At most 15 characters with
+    # "br" or "v<i>" appended (Linux's limit on interface names).
+    tag: str = field(default_factory=lambda: f"afd{os.getpid()}x{next(_instances)}")
 
     def __post_init__(self):
         if os.geteuid() != 0:
@@ -62,7 +69,7 @@ class Hosts:
         return f"{self.tag}h{i}"
 
     def address(self, i: int) -> str:
-        return f"{SUBNET}.{10 + i}"
+        return f"{self.subnet}.{10 + i}"
 
     def _veth(self, i: int) -> str:
         return f"{self.tag}v{i}"[:15]
@@ -71,9 +78,14 @@ class Hosts:
         for ns in our_netns():  # an earlier run's, killed before it could clean up
             if not _alive(ns):
                 ip("netns", "del", ns, check=False)
+        for bridge in _our_bridges():  # its bridge too
+            if not _alive(bridge):
+                ip("link", "del", bridge, check=False)
+        used = set(re.findall(rf"inet {SUBNET_PREFIX}\.(\d+)\.", ip("-o", "addr", "show").stdout))
+        self.subnet = f"{SUBNET_PREFIX}.{next(n for n in range(256) if str(n) not in used)}"
         ip("link", "add", self.bridge, "type", "bridge")
         self._made.append(("link", "del", self.bridge))
-        ip("addr", "add", f"{SUBNET}.1/24", "dev", self.bridge)
+        ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         ip("link", "set", self.bridge, "up")
         for i in range(self.count):
             ns, veth = self.name(i), self._veth(i)
@@ -123,7 +135,13 @@ class Hosts:
             ip(*self._made.pop(), check=False)
 
 
-def _alive(ns: str) -> bool:
-    """Whether the run that made ``ns`` still runs (its pid is in the name)."""
-    digits = ns[3:].split("h", 1)[0]
+def _our_bridges() -> list[str]:
+    out = ip("-o", "link", "show", "type", "bridge", check=False).stdout
+    names = (line.split(":")[1].strip() for line in out.splitlines() if ":" in line)
+    return [n for n in names if n.startswith("afd") and n.endswith("br")]
+
+
+def _alive(name: str) -> bool:
+    """Whether the run that made ``name`` (a namespace or bridge) still runs: its pid is in it."""
+    digits = name[3:].split("x", 1)[0]
     return digits.isdigit() and os.path.exists(f"/proc/{digits}")
