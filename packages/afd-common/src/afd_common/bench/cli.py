@@ -20,6 +20,16 @@ ATTENTION_HOST, FFN_HOST = 0, 1  # --hosts: the roles' namespaces
 UNLIMITED = "unlimited"  # --hosts: the namespaces' link without a cap
 
 
+def host_links(args) -> list[str]:
+    """--hosts: the links each AFD configuration is measured over, in order."""
+    return [UNLIMITED, *args.rates]
+
+
+def config_name(m: int, link: str | None = None) -> str:
+    """afd_mM on loopback, afd_mM@LINK across hosts."""
+    return f"afd_m{m}" if link is None else f"afd_m{m}@{link}"
+
+
 class Waiting:
     """Progress while a server loads: one line rewritten in place on a terminal, else a line
     every 15 s (``Server.wait_ready`` reports every 5 s)."""
@@ -187,7 +197,7 @@ class Bench:
                            self.logs / f"{name}-attention.log",
                            args=self.server_args + afd_args("attention", port, **extra)
                            + placement, **where["attention"])
-        links = [None] if hosts is None else [UNLIMITED, *a.rates]
+        links = [None] if hosts is None else host_links(a)
         out = {}
         t0 = time.monotonic()
         try:
@@ -199,7 +209,7 @@ class Bench:
             startup = time.monotonic() - t0
             waiting.done(f"{name}: both roles ready after {startup:.0f} s")
             for link in links:
-                label = f"afd_m{m}" if link is None else f"afd_m{m}@{link}"
+                label = config_name(m, link)
                 if hosts is not None:
                     hosts.cap(FFN_HOST, None if link == UNLIMITED else link)
                 summary, scrapes = self.measure(label, attention.url,
@@ -278,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     outcomes = bench.afd(int(m), moe_layers, hosts if on_hosts else None)
                 except ConfigFailed as e:
-                    outcomes = ({f"afd_m{m}@{link}": e for link in (UNLIMITED, *args.rates)}
+                    outcomes = ({config_name(m, link): e for link in host_links(args)}
                                 if on_hosts else {name: e})
             for config, outcome in outcomes.items():
                 if isinstance(outcome, ConfigFailed):
@@ -322,9 +332,9 @@ def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_
     for m in sorted({1, 2, 3, *args.mb_list}):
         ordered[f"afd_m{m}"] = results.get(f"afd_m{m}", report.empty_result())
     for m in args.mb_list if args.rates else ():
-        for link in (UNLIMITED, *args.rates):
-            name = f"afd_m{m}@{link}"
-            ordered[name] = results.get(name, report.empty_result(link=link))
+        for link in host_links(args):
+            ordered[config_name(m, link)] = results.get(config_name(m, link),
+                                                        report.empty_result(link=link))
     cfg = info["config"]
     setup = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -349,7 +359,7 @@ def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_
                    "enforce_eager": True, "max_model_len": MAX_MODEL_LEN},
         "afd": {"connector": args.connector, "compute_gate_on_attention": args.gate_on_attention,
                 "micro_batches": args.mb_list},
-        "hosts": ({"rates": [UNLIMITED, *args.rates],
+        "hosts": ({"rates": host_links(args),
                    "link": "each role in its own network namespace, veth pairs on one bridge; a "
                            "rate caps the FFN host's link both ways (tc tbf)"}
                   if args.rates else None),
