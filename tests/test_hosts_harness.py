@@ -4,13 +4,14 @@ directions, a cut link carries nothing, and nothing is left behind. Root only; n
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from afd_common.bench.hosts import Hosts, our_netns, rate_bits
+from afd_common.bench.hosts import Hosts, ip, our_netns, rate_bits
 from afd_common.selftest import free_port
 
 PAYLOAD = 2_500_000  # bytes: 1 s at 20 Mbit/s
@@ -51,13 +52,12 @@ def _send(hosts: Hosts, src: int, dst: int) -> float:
 
 @pytest.fixture
 def two_hosts():
-    before = our_netns()
     hosts = Hosts(2)
     try:
         yield hosts
     finally:
         hosts.close()
-        assert our_netns() == before
+        assert not hosts.leftovers()
 
 
 def test_a_capped_link_runs_at_its_cap_both_ways_and_uncapped_far_faster(two_hosts):
@@ -109,4 +109,23 @@ def test_harnesses_alive_at_once_share_no_name_or_subnet(two_hosts):
         assert _send(two_hosts, 0, 1) < 5
     finally:
         other.close()
-    assert other.name(0) not in our_netns()
+    assert not other.leftovers()
+
+
+def test_a_dead_runs_leftovers_are_removed_and_not_counted_as_ours():
+    """A run killed before its clean-up leaves namespaces and a bridge; the next run removes
+    them, and its own leak check is about its own names only (CI once failed on exactly this:
+    the check compared against a list that still held a dead run's namespaces)."""
+    dead = next(p for p in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{p}"))
+    stale_ns, stale_br = f"afd{dead}x0h0", f"afd{dead}x0br"
+    ip("netns", "add", stale_ns)
+    ip("link", "add", stale_br, "type", "bridge")
+    try:
+        hosts = Hosts(1)
+        hosts.close()
+        assert stale_ns not in our_netns()
+        assert stale_br not in ip("-o", "link", "show").stdout
+        assert not hosts.leftovers()
+    finally:
+        ip("netns", "del", stale_ns, check=False)
+        ip("link", "del", stale_br, check=False)

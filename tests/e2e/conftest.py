@@ -26,7 +26,7 @@ from afd_common.placement import expert_owners
 from afd_common.selftest import free_port
 from afd_common.tiny_model import write_tiny_model
 
-from afd_common.bench.hosts import Hosts, our_netns
+from afd_common.bench.hosts import Hosts
 
 pytestmark = pytest.mark.e2e
 NUM_PROMPTS = 16
@@ -73,13 +73,12 @@ def logs(tmp_path_factory) -> Path:
 def hosts():
     """Four hosts (network namespaces on one bridge), made when a test first asks; none of this
     harness's namespaces may be left after the session."""
-    before = our_netns()
     made = Hosts(4)
     try:
         yield made
     finally:
         made.close()
-        assert our_netns() == before, f"namespaces left behind: {our_netns()}"
+        assert not made.leftovers(), f"left behind: {made.leftovers()}"
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ def rate_bits(rate: str) -> float:
 
 
 def our_netns() -> list[str]:
-    """Namespaces of any run of this harness (for the leak check)."""
+    """Namespaces of any run of this harness, alive or dead."""
     out = ip("netns", "list", check=False).stdout
     return sorted(line.split()[0] for line in out.splitlines() if line.startswith("afd"))
 
@@ -133,6 +133,11 @@ class Hosts:
     def close(self) -> None:
         while self._made:
             ip(*self._made.pop(), check=False)
+
+    def leftovers(self) -> list[str]:
+        """This instance's namespaces and bridge still present (none after ``close()``). Only its
+        own: a dead run's leftovers, removed when this one was made, are not its to report."""
+        return [n for n in our_netns() + _our_bridges() if n.startswith(self.tag)]
 
 
 def _our_bridges() -> list[str]:
