@@ -55,6 +55,8 @@ MALFORMED = [
     ("connector_extra_config.timeout_s", with_(connector_extra_config={"timeout_s": "10"})),
     ("connector_extra_config.timeout_s",
      with_(connector_extra_config={"timeout_s": float("inf")})),
+    ("connector_extra_config.connect_timeout_s",
+     with_(connector_extra_config={"connect_timeout_s": -1})),
     ("connector_extra_config.num_micro_batches",
      with_(connector_extra_config={"num_micro_batches": 0})),
     ("connector_extra_config.auth_token", with_(connector_extra_config={"auth_token": ""})),
@@ -95,6 +97,14 @@ def test_timeout_sets_both_bounds():
     assert cfg.extra.first_step_timeout_s == 300 and cfg.extra.step_timeout_s == 60
 
 
+def test_waiting_for_the_peer_is_unbounded_unless_connect_timeout_s_is_set():
+    assert parse_afd_config(GOOD).extra.connect_timeout_s is None
+    cfg = parse_afd_config(with_(connector_extra_config={"timeout_s": 10}))
+    assert cfg.extra.connect_timeout_s is None  # the step knob does not bound the start-up
+    cfg = parse_afd_config(with_(connector_extra_config={"connect_timeout_s": 90}))
+    assert cfg.extra.connect_timeout_s == 90
+
+
 def test_auth_token_from_env_is_not_in_repr(monkeypatch):
     monkeypatch.setenv(AUTH_TOKEN_ENV, "s3cret-token")
     cfg = parse_afd_config(GOOD)
@@ -125,7 +135,8 @@ json_values = st.recursive(json_scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
     max_leaves=6)
 key_names = st.one_of(st.sampled_from(KEYS + tuple(ALIASES)), st.text(max_size=10))
-extra_keys = st.sampled_from(["backend", "timeout_s", "first_step_timeout_s", "step_timeout_s",
+extra_keys = st.sampled_from(["backend", "timeout_s", "connect_timeout_s", "first_step_timeout_s",
+                              "step_timeout_s",
                               "num_micro_batches", "auth_token", "ops_backend", "x"])
 plausible = st.fixed_dictionaries(
     {"role": st.sampled_from(["attention", "ffn", "FFN", "", 1])},

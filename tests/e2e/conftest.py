@@ -225,9 +225,12 @@ def role_servers(role: str, name: str, model: Path, logs: Path, ranks: int, args
 def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = None,
              num_attention_ranks: int = 1, num_ffn_ranks: int = 1,
              vllm_args: tuple[str, ...] = (), env: dict | None = None,
-             attention_args: tuple[str, ...] = (), hosts: Hosts | None = None, **afd):
+             attention_args: tuple[str, ...] = (), hosts: Hosts | None = None,
+             first: str | None = None, gap_s: float = 60.0, **afd):
     """Start an FFN and an attention `vllm serve`, wait until both are ready; afterwards stop
-    whatever the test left running. ``vllm_args`` and ``env`` go to both roles (e.g.
+    whatever the test left running. With ``first`` ("attention" or "ffn") that role starts
+    alone and must get ready alone; the other starts ``gap_s`` after it (or once it is ready, if
+    that took longer). ``vllm_args`` and ``env`` go to both roles (e.g.
     ``--enable-expert-parallel``, ``AFD_TEST_INORDER``), ``attention_args`` to the attention role
     (e.g. ``--speculative-config``). With ``hosts`` every rank runs on a host of its own: the
     attention ranks on hosts 0.., the FFN ranks after them."""
@@ -246,9 +249,20 @@ def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = N
                              + list(attention_args), env or {},
                              [str(i % 2) for i in range(num_attention_ranks)], hosts)
     pair = Pair(ffn, attention, port)
-    for server in pair.servers:
-        server.start()
     try:
+        if first is not None:
+            early, late = (attention, ffn) if first == "attention" else (ffn, attention)
+            start = time.monotonic()
+            for server in early:
+                server.start()
+            early[0].wait_ready(progress=say, others=tuple(early[1:]))
+            say(f"{name}: the {first} role is ready alone after {time.monotonic() - start:.0f} s")
+            time.sleep(max(0.0, gap_s - (time.monotonic() - start)))
+            for server in late:
+                server.start()
+        else:
+            for server in pair.servers:
+                server.start()
         headless = pair.servers[1:len(ffn)] + pair.servers[len(ffn) + 1:]
         pair.attention.wait_ready(progress=say, others=(pair.ffn, *headless))
         pair.ffn.wait_ready(progress=say, others=(pair.attention, *headless))

@@ -67,7 +67,7 @@ class Case:
     inorder: bool = False  # AFD_TEST_INORDER=1 on both roles: NCCL/HCCL matching on Gloo
     ngram: bool = False  # n-gram speculative decoding on the attention role
     hosts: bool = False  # every DP rank on a host (network namespace) of its own
-
+    first: str | None = None  # this role starts alone, the other a minute later
 
     @property
     def id(self) -> str:
@@ -75,14 +75,22 @@ class Case:
         return (f"{self.arch}-gate_on_{'attention' if self.gate_on_attention else 'ffn'}-"
                 f"{self.A}A{self.F}F-{place}-{self.connector}-m{self.m}"
                 + ("-inorder" if self.inorder else "") + ("-ngram" if self.ngram else "")
-                + ("-hosts" if self.hosts else ""))
+                + ("-hosts" if self.hosts else "")
+                + (f"-{self.first}_first" if self.first else ""))
 
     def afd(self) -> dict:
-        extra = {}
+        extra: dict = {}
+        cec: dict = {}  # connector_extra_config
         if self.connector == "CAMAsyncAFDConnector":
-            extra = {"async_dp": True, "connector_extra_config": {"ops_backend": "portable"}}
+            extra["async_dp"], cec["ops_backend"] = True, "portable"
         if self.m > 1:
-            extra = {"connector_extra_config": {"num_micro_batches": self.m}}
+            cec["num_micro_batches"] = self.m
+        if self.first:
+            # Waiting for the other role is not bounded by the first step's timeout (the old
+            # rule): a minute apart with 30 s for the first step.
+            extra["first"], cec["first_step_timeout_s"] = self.first, 30
+        if cec:
+            extra["connector_extra_config"] = cec
         return dict(num_attention_ranks=self.A, num_ffn_ranks=self.F, connector=self.connector,
                     compute_gate_on_attention=self.gate_on_attention,
                     vllm_args=("--enable-expert-parallel",) if self.sharded else (),
@@ -118,10 +126,11 @@ CASES = [
     # auth pairs of test_reliability). DeepSeek-V3 also with 2 attention ranks and m = 2.
     Case("deepseek_v3", False),
     Case("deepseek_v3", True, A=2, m=2, hosts=True),
-    Case("glm4_moe", True),
+    # Started a minute apart, each role first once: neither's start-up waits for the other.
+    Case("glm4_moe", True, first="attention"),
     Case("gpt_oss", True),
     Case("mixtral", True),
-    Case("olmoe", True),
+    Case("olmoe", True, first="ffn"),
     Case("qwen2_moe", True, ngram=True),
 ]
 

@@ -9,22 +9,16 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from afd_common.metrics import MetricsWorkerMixin
 from afd_common.patching import PatchSet
 
-from afd_attention.runner import AFDAttentionRunnerMixin
+from afd_attention.runner import AFDAttentionRunnerMixin, AFDAttentionWorkerMixin
 
 
 class AFDAttentionCPUModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):
     pass
 
 
-class AFDAttentionCPUWorker(MetricsWorkerMixin, CPUWorker):
+class AFDAttentionCPUWorker(AFDAttentionWorkerMixin, MetricsWorkerMixin, CPUWorker):
     def init_device(self):
         # CPUWorker builds its runner by module-global name; swap it for the call only.
         with PatchSet("attention_cpu_runner").setattr(cpu_worker_module, "CPUModelRunner",
                                                AFDAttentionCPUModelRunner).applied():
             super().init_device()
-
-    def shutdown(self):
-        runner = getattr(self, "model_runner", None)
-        if isinstance(runner, AFDAttentionRunnerMixin):
-            runner.afd_close()
-        super().shutdown()

@@ -11,19 +11,13 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from afd_common.metrics import MetricsWorkerMixin
 
-from afd_attention.runner import AFDAttentionRunnerMixin
+from afd_attention.runner import AFDAttentionRunnerMixin, AFDAttentionWorkerMixin
 
 
 class AFDAttentionGPUModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):
     pass
 
 
-class AFDAttentionGPUWorker(MetricsWorkerMixin, Worker):
+class AFDAttentionGPUWorker(AFDAttentionWorkerMixin, MetricsWorkerMixin, Worker):
     def _make_model_runner(self):
         return AFDAttentionGPUModelRunner(self.vllm_config, self.device)
-
-    def shutdown(self):
-        runner = getattr(self, "model_runner", None)
-        if isinstance(runner, AFDAttentionRunnerMixin):
-            runner.afd_close()
-        super().shutdown()

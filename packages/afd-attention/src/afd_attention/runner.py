@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
 
 import torch
@@ -18,6 +19,7 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.worker.ubatch_utils import UBatchSlice
 
 from afd_common.config import afd_config_from_vllm
+from afd_common.errors import AFDError
 from afd_common.models import check_router
 from afd_common import lifecycle
 from afd_common.registry import resolve_connector
@@ -61,22 +63,13 @@ class AFDAttentionRunnerMixin:
         connector = resolve_connector(config.connector, "attention")(config, rank, shape,
                                                                      self.device)
         logger.info("AFD attention rank %d: %s connecting to the FFN role at %s:%d (%d MoE "
-                    "layers, gate on %s)", rank, config.connector, config.host, config.port,
+                    "layers, gate on %s); vLLM starts up meanwhile", rank, config.connector, config.host, config.port,
                     len(shape.moe_layers),
                     "attention" if config.compute_gate_on_attention else "FFN")
         if async_dp_enabled(config):
             self._afd_patches = async_dp_forward_context.build()
             self._afd_patches.install()
-        connector.init()
         session = self.afd_session = AttentionSession(config, connector)
-
-        def on_lost(reason: str) -> None:
-            reason = f"attention rank {rank}: the FFN role is gone ({reason})"
-            lifecycle.mark_failed(reason)
-            if session.peer_lost(reason):
-                lifecycle.exit_worker()
-
-        connector.watch_peers(on_lost)
         session.activate()
         if config.extra.num_micro_batches > 1:
             vllm_config, device = self.vllm_config, self.device
@@ -84,9 +77,40 @@ class AFDAttentionRunnerMixin:
                 config.extra.num_micro_batches,
                 thread_setup=lambda: enter_model_thread(vllm_config, device))
             self._afd_splits_seen: set[int] = set()
-        logger.info("AFD attention rank %d: connected (%d micro-batch%s per step)", rank,
-                    config.extra.num_micro_batches,
-                    "" if config.extra.num_micro_batches == 1 else "es")
+        # vLLM's start-up goes on meanwhile: it must not wait for a role that may take longer
+        # to load than vLLM waits for its engine (afd_attention.session).
+        threading.Thread(target=self._afd_connect_thread, args=(connector, session, rank),
+                         name=f"afd-connect-{rank}", daemon=True).start()
+
+    def _afd_connect_thread(self, connector, session: AttentionSession, rank: int) -> None:
+        def on_lost(reason: str) -> None:
+            reason = f"attention rank {rank}: the FFN role is gone ({reason})"
+            lifecycle.mark_failed(reason)
+            if session.peer_lost(reason):
+                lifecycle.exit_worker()
+
+        try:
+            enter_model_thread(self.vllm_config, self.device)
+            connector.init()
+        except BaseException as e:  # noqa: BLE001 - the role cannot serve: end it, saying why
+            if session.closed:  # stopped before the FFN role turned up: nothing failed
+                return
+            if not isinstance(e, AFDError):
+                logger.exception("AFD attention rank %d: unexpected error connecting", rank)
+            reason = f"attention rank {rank}: could not connect to the FFN role: {e}"
+            lifecycle.mark_failed(reason)
+            if session.peer_lost(reason):
+                lifecycle.exit_worker()
+            return
+        connector.watch_peers(on_lost)
+        session.connected()
+        n = session.num_stages
+        logger.info("AFD attention rank %d: connected (%d micro-batch%s per step)", rank, n,
+                    "" if n == 1 else "es")
+
+    def afd_startup_done(self) -> None:
+        if self.afd_session is not None:
+            self.afd_session.startup_done()
 
     # Micro-batching: execute_model marks the window in which a step may be split; the attention
     # metadata is then built per micro-batch (vLLM's own per-ubatch path), and the forward runs
@@ -190,3 +214,19 @@ class AFDAttentionRunnerMixin:
         if self.afd_session is not None:
             self.afd_session.close()
             self.afd_session = None
+
+
+class AFDAttentionWorkerMixin:
+    """The attention role's additions to vLLM's worker (CPU and CUDA alike)."""
+
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        # The engine core's last start-up call: every forward after it is served by the FFN role.
+        out = super().compile_or_warm_up_model(*args, **kwargs)
+        self.model_runner.afd_startup_done()
+        return out
+
+    def shutdown(self):
+        runner = getattr(self, "model_runner", None)
+        if isinstance(runner, AFDAttentionRunnerMixin):
+            runner.afd_close()
+        super().shutdown()

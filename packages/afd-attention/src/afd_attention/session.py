@@ -1,8 +1,14 @@
 """One attention rank's AFD session: its connector and the step it is in.
 
 A step begins lazily at the first MoE layer of a forward and ends after the last one (of the last
-micro-batch with rows), so every forward vLLM runs -- real steps, profile runs, warm-up, the dummy
-batches of idle DP ranks -- announces itself to the FFN side with its exact token counts.
+micro-batch with rows), so every forward vLLM runs once the server is up -- real steps and the
+dummy batches of idle DP ranks -- announces itself to the FFN side with its exact token counts.
+
+The roles start in any order, any time apart: the connector connects in a thread of its own, and
+vLLM's start-up forwards (profile run, compilation, graph capture: their outputs are thrown away)
+run before it has, with the routed experts' output zeros -- the same on every attention rank, so
+the FFN side's first step is everyone's first real one. A step that finds the FFN role not
+connected yet waits for it (progress in the log; ``connect_timeout_s`` bounds it).
 
 The session also knows whether a step is running when the FFN role is lost: a running step fails
 by itself (its receive raises), so only an idle worker must be ended from outside
@@ -23,6 +29,7 @@ from afd_common.contract import AttentionConnector
 from afd_common.errors import AFDError, AFDPeerError
 from afd_common.lifecycle import mark_failed
 from afd_common.metadata import LayerCall, StepKind, StepMetadata
+from afd_common.transport import CONNECT_PROGRESS_EVERY_S
 from afd_common.vllm_model import layer_index
 
 from afd_attention import micro_batches
@@ -64,6 +71,16 @@ class AttentionSession:
         self._planned: tuple[int, ...] | None = None
         self._last_busy = 0
         self._since: list[float | None] = [None] * self.num_stages
+        self.closed = False
+        self._serving = False  # vLLM's start-up is over: forwards need the FFN role
+        self._peers = threading.Event()  # connected, or lost (then _lost says why)
+
+    def startup_done(self) -> None:
+        """vLLM finished its start-up forwards; from now on every forward is a step."""
+        self._serving = True
+
+    def connected(self) -> None:
+        self._peers.set()
 
     def activate(self) -> None:
         global _current
@@ -78,6 +95,8 @@ class AttentionSession:
         self._since[stage] = time.perf_counter()
 
     def remote_experts(self, layer_name: str, x: torch.Tensor, topk_weights, topk_ids):
+        if not self._serving:
+            return torch.zeros_like(x)  # a start-up forward: its output is thrown away
         layer = self._layer_of.get(layer_name)
         if layer is None:
             layer = self._layer_of[layer_name] = layer_index(layer_name)
@@ -120,10 +139,22 @@ class AttentionSession:
             if self._lost is not None:
                 raise AFDPeerError(self._lost)
             self._in_step = True
+        if not self._peers.is_set():
+            self._wait_for_peers()
         tokens = self._planned or (rows,) + (0,) * (self.num_stages - 1)
         self._planned = None
         self._last_busy = max((s for s, n in enumerate(tokens) if n), default=0)
         self.connector.begin_step(StepMetadata(self.step, StepKind.RUN, tokens))
+
+    def _wait_for_peers(self) -> None:
+        c, start = self.config, time.monotonic()
+        while not self._peers.wait(CONNECT_PROGRESS_EVERY_S):
+            logger.info("AFD attention: step %d waits for the FFN role at %s:%d (%.0f s; "
+                        "connect_timeout_s %s)", self.step, c.host, c.port,
+                        time.monotonic() - start, c.extra.connect_timeout_s or "unset")
+        with self._lock:
+            if self._lost is not None:
+                raise AFDPeerError(self._lost)
 
     def _empty_rows(self, like: torch.Tensor) -> tuple[torch.Tensor]:
         return (like.new_empty(0, like.shape[1]),)
@@ -139,10 +170,12 @@ class AttentionSession:
         running, so nothing will raise by itself and the caller must end the worker."""
         with self._lock:
             self._lost = reason
+            self._peers.set()  # a step waiting for the connection raises
             return not self._in_step
 
     def close(self) -> None:
         global _current
+        self.closed = True
         if _current is self:
             _current = None
         self.connector.close()

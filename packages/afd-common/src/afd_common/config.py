@@ -76,6 +76,9 @@ class ExtraConfig:
     """
 
     backend: str | None = None  # None = from the device: gloo on CPU, nccl on CUDA, hccl on NPU
+    # How long a role waits for its peers to turn up (rendezvous and handshake). None: as long as
+    # it takes (a checkpoint may load for an hour), with progress in the log.
+    connect_timeout_s: float | None = None
     first_step_timeout_s: float = DEFAULT_FIRST_STEP_TIMEOUT_S
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     num_micro_batches: int = 1
@@ -105,6 +108,8 @@ def parse_extra_config(raw: Any, connector_keys: frozenset[str] = frozenset()) -
             kwargs["first_step_timeout_s"] = _check_positive_seconds(fname, value)
             kwargs.setdefault("step_timeout_s", min(kwargs["first_step_timeout_s"],
                                                     DEFAULT_STEP_TIMEOUT_S))
+        elif key == "connect_timeout_s":
+            kwargs["connect_timeout_s"] = _check_positive_seconds(fname, value)
         elif key == "first_step_timeout_s":
             kwargs["first_step_timeout_s"] = _check_positive_seconds(fname, value)
         elif key == "step_timeout_s":
@@ -121,8 +126,9 @@ def parse_extra_config(raw: Any, connector_keys: frozenset[str] = frozenset()) -
         elif key in connector_keys:
             other[key] = value
         else:
-            known = sorted({"backend", "timeout_s", "first_step_timeout_s", "step_timeout_s",
-                            "num_micro_batches", "auth_token", "ops_backend"} | connector_keys)
+            known = sorted({"backend", "timeout_s", "connect_timeout_s", "first_step_timeout_s",
+                            "step_timeout_s", "num_micro_batches", "auth_token", "ops_backend"}
+                           | connector_keys)
             raise AFDConfigError(fname, value, f"unknown key; known keys: {', '.join(known)}")
     if "auth_token" not in kwargs and os.environ.get(AUTH_TOKEN_ENV):
         kwargs["auth_token"] = os.environ[AUTH_TOKEN_ENV]

@@ -70,7 +70,9 @@ class Spec:
                                                   self.sharded))
 
     def config(self, role: str) -> AFDConfig:
-        extra = {"timeout_s": self.timeout_s, "num_micro_batches": self.stages, **self.extra}
+        # A self-test is bounded as a whole: waiting for the peers to turn up too.
+        extra = {"timeout_s": self.timeout_s, "connect_timeout_s": self.timeout_s,
+                 "num_micro_batches": self.stages, **self.extra}
         return parse_afd_config({
             "role": role, "connector": self.connector, "host": "127.0.0.1", "port": self.port,
             "num_attention_ranks": self.num_attention_ranks, "num_ffn_ranks": self.num_ffn_ranks,

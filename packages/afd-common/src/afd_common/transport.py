@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import socket
 import threading
@@ -27,7 +28,8 @@ from afd_common.inorder import InOrderGroup
 
 logger = logging.getLogger("vllm.afd")
 
-PROGRESS_EVERY_S = 10.0
+# Waiting for a peer to turn up may last as long as a checkpoint loads: a line every 30 s.
+CONNECT_PROGRESS_EVERY_S = 30.0
 # Waiting for the next step is not bounded: a role may be idle for days. A dead peer still ends
 # the wait at once (its connection closes).
 IDLE_WAIT = timedelta(days=3650)
@@ -58,50 +60,63 @@ class Rendezvous:
     """A TCPStore for one AFD world. The FFN rank 0 hosts it; everyone else connects.
 
     Connecting retries in short slices so a long wait for the other role prints progress instead
-    of looking like a hang, and gives up with a clear error at the deadline.
+    of looking like a hang. ``connect_timeout_s`` None waits as long as it takes (the FFN role may
+    still be loading its checkpoint); a number gives up with a clear error at the deadline.
+    ``timeout_s`` bounds each store operation once connected.
     """
 
-    def __init__(self, host: str, port: int, is_master: bool, timeout_s: float, what: str):
+    def __init__(self, host: str, port: int, is_master: bool, timeout_s: float, what: str,
+                 connect_timeout_s: float | None = None):
         self.host, self.port = host, port
-        self._sock: socket.socket | None = None
         start = time.monotonic()
         if is_master:
-            self._sock = _listen_socket(host, port)
-            self.store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s),
-                                       wait_for_workers=False,
-                                       master_listen_fd=self._sock.fileno())
+            sock = _listen_socket(host, port)
+            try:
+                self.store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s),
+                                           wait_for_workers=False, master_listen_fd=sock.fileno())
+            except BaseException:
+                sock.close()
+                raise
+            # The store's server owns the socket now and closes it when the store goes: closing
+            # it here too would close whatever file reused the number by then.
+            sock.detach()
             return
+        limit = math.inf if connect_timeout_s is None else connect_timeout_s
         last_log = start
         while True:
-            left = timeout_s - (time.monotonic() - start)
+            left = limit - (time.monotonic() - start)
             try:
                 self.store = dist.TCPStore(host, port, None, False,
                                            timedelta(seconds=max(1.0, min(5.0, left))))
                 return
             except (RuntimeError, dist.DistStoreError) as e:
                 now = time.monotonic()
-                if now - start >= timeout_s:
+                if now - start >= limit:
                     raise AFDTimeoutError(f"{what}: no AFD rendezvous at {host}:{port} after "
-                                          f"{timeout_s:.0f} s ({e})") from None
-                if now - last_log >= PROGRESS_EVERY_S:
-                    logger.info("%s: waiting for the AFD rendezvous at %s:%d (%.0f s)", what,
-                                host, port, now - start)
+                                          f"{limit:.0f} s (connect_timeout_s; {e})") from None
+                if now - last_log >= CONNECT_PROGRESS_EVERY_S:
+                    logger.info("%s: waiting for the FFN role's rank 0 to host the AFD "
+                                "rendezvous at %s:%d (%.0f s%s)", what, host, port, now - start,
+                                "" if connect_timeout_s is None
+                                else f" of connect_timeout_s {limit:.0f}")
                     last_log = now
                 time.sleep(0.2)
 
-    def wait_keys(self, keys: list[str], timeout_s: float, what: str) -> None:
-        """Wait for keys with progress logs; AFDTimeoutError names the missing ones."""
+    def wait_keys(self, keys: list[str], timeout_s: float | None, what: str) -> None:
+        """Wait for keys with progress logs (None: no limit); AFDTimeoutError names the missing
+        ones."""
+        limit = math.inf if timeout_s is None else timeout_s
         start = time.monotonic()
         while True:
             missing = [k for k in keys if not self.store.check([k])]
             if not missing:
                 return
             waited = time.monotonic() - start
-            if waited >= timeout_s:
-                raise AFDTimeoutError(f"{what}: still missing {missing} after {timeout_s:.0f} s")
+            if waited >= limit:
+                raise AFDTimeoutError(f"{what}: still missing {missing} after {limit:.0f} s")
             try:
-                self.store.wait(missing, timedelta(seconds=min(PROGRESS_EVERY_S,
-                                                               max(0.1, timeout_s - waited))))
+                self.store.wait(missing, timedelta(seconds=min(CONNECT_PROGRESS_EVERY_S,
+                                                               max(0.1, limit - waited))))
             except (RuntimeError, dist.DistStoreError) as e:
                 if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
                     raise AFDPeerError(f"{what}: rendezvous store at {self.host}:{self.port} "
@@ -111,9 +126,6 @@ class Rendezvous:
 
     def close(self) -> None:
         self.store = None  # type: ignore[assignment]
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
 
 
 class SignedStore(dist.Store):

@@ -36,7 +36,7 @@ from afd_common.codec import WIRE_VERSION, decode_json, encode_json
 from afd_common.config import AFDConfig
 from afd_common.errors import (AFDError, AFDHandshakeError, AFDPeerError, AFDProtocolError,
                                AFDTimeoutError)
-from afd_common.transport import PROGRESS_EVERY_S, Rendezvous, SignedStore, new_group
+from afd_common.transport import CONNECT_PROGRESS_EVERY_S, Rendezvous, SignedStore, new_group
 
 logger = logging.getLogger("vllm.afd")
 
@@ -57,7 +57,9 @@ class AFDWorld:
     """Ranks ``0..world_size-1`` of one AFD deployment, laid out by the connector.
 
     ``global_rank_of(role, local_rank)`` is the connector's layout (attention-first for P2P and
-    CAMAsync, FFN-first for CAMP2p).
+    CAMAsync, FFN-first for CAMP2p). Waiting for the peers to turn up (rendezvous, hellos) is
+    bounded by ``connect_timeout_s`` only (none by default: roles start in any order, any time
+    apart); once every rank said hello, forming the groups is bounded by ``timeout_s``.
     """
 
     def __init__(self, config: AFDConfig, local_rank: int, world_size: int,
@@ -68,6 +70,7 @@ class AFDWorld:
         self._global_rank_of = global_rank_of
         self.rank = global_rank_of(config.role, local_rank)
         self.timeout_s = timeout_s
+        self.connect_timeout_s = config.extra.connect_timeout_s
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._group_store: SignedStore | None = None
         self._roles = {global_rank_of("attention", a): ("attention", a)
@@ -77,7 +80,7 @@ class AFDWorld:
         self.what = f"AFD {config.role} rank {local_rank}"
         self.is_master = self.rank == global_rank_of("ffn", 0)
         self.rendezvous = Rendezvous(config.host, config.port, self.is_master, timeout_s,
-                                     self.what)
+                                     self.what, self.connect_timeout_s)
         try:
             if self.is_master:
                 self.rendezvous.store.set("afd/nonce", secrets.token_hex(16))
@@ -113,7 +116,8 @@ class AFDWorld:
     def _exchange_hellos(self, fingerprint: dict[str, Any]) -> None:
         store = self.rendezvous.store
         start = time.monotonic()
-        self.rendezvous.wait_keys(["afd/nonce"], self.timeout_s, f"{self.what}: rendezvous")
+        self.rendezvous.wait_keys(["afd/nonce"], self.connect_timeout_s,
+                                  f"{self.what}: rendezvous")
         session = bytes(store.get("afd/nonce"))
         hello = {"afd_version": __version__, "wire_version": WIRE_VERSION,
                  "role": self.config.role, "rank": self.rank, "fingerprint": fingerprint}
@@ -127,7 +131,8 @@ class AFDWorld:
         # Check each peer as soon as it says hello: one mismatched peer is refused at once, not
         # after waiting for ranks that a mismatched world size means will never come.
         unchecked = list(others)
-        next_log = PROGRESS_EVERY_S
+        next_log = CONNECT_PROGRESS_EVERY_S
+        limit = self.connect_timeout_s
         try:
             while unchecked:
                 present = [r for r in unchecked if store.check([f"afd/hello/{r}"])]
@@ -148,14 +153,14 @@ class AFDWorld:
                                             f"{refusal.get('reason')}")
                 if unchecked and not present:
                     waited = time.monotonic() - start
-                    if waited > self.timeout_s:
+                    if limit is not None and waited > limit:
                         raise AFDTimeoutError(f"{self.what}: handshake: no hello from "
                                               f"{', '.join(map(self.describe, unchecked))} after "
-                                              f"{self.timeout_s:.0f} s")
+                                              f"{limit:.0f} s (connect_timeout_s)")
                     if waited >= next_log:
-                        logger.info("%s: waiting for %s (%.0f s)", self.what,
+                        logger.info("%s: waiting for %s to say hello (%.0f s)", self.what,
                                     ", ".join(map(self.describe, unchecked)), waited)
-                        next_log += PROGRESS_EVERY_S
+                        next_log += CONNECT_PROGRESS_EVERY_S
                     time.sleep(0.05)
         except AFDHandshakeError as e:
             self._leave_refusal(str(e))
@@ -244,6 +249,7 @@ class AFDWorld:
             except Exception:  # noqa: BLE001 - best effort; the process may be going away
                 pass
         self.groups.clear()
+        self._group_store = None
         self.rendezvous_close()
 
     def rendezvous_close(self) -> None:
