@@ -133,7 +133,7 @@ World world(const char* op, c10::string_view group_name, int64_t comm_id, int64_
   auto pg = afd::resolve_group(name, op);
   TORCH_CHECK(pg->getSize() == world_size, "afd_ascend.", op, ": group '", name, "' has ",
               pg->getSize(), " ranks, world_size = ", world_size);
-  afd::reap_sends(name, false);
+  afd::reap_sends(name);
   return {pg, name, comm_id, A, M, R, tp, pg->getRank()};
 }
 
@@ -393,7 +393,7 @@ at::Tensor dispatch_send(const at::Tensor& x, const at::Tensor& expert_ids,
   }
   // A STOP is the last thing a closing attention rank sends: wait (bounded by the group's
   // timeout) until every send of this group was taken, so the caller may close the group.
-  if (stop) afd::reap_sends(w.name, true);
+  if (stop) afd::release_sends(w.name, -1);
   {
     std::lock_guard<std::mutex> lock(g_state_mu);
     auto& log = g_sent[w.key()];

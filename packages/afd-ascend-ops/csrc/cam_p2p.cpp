@@ -65,7 +65,7 @@ World world(const char* op, c10::string_view group_ep, int64_t F, int64_t A, int
               pg->getSize(), " ranks, expert_rank_size + attention_rank_size = ", F + A);
   TORCH_CHECK(pg->getRank() == rank, "afd_ascend.", op, ": rank ", rank,
               " given, but this process is rank ", pg->getRank(), " of group '", name, "'");
-  afd::reap_sends(name, false);
+  afd::reap_sends(name);
   return {pg, name, F, A, rank, m2n};
 }
 

@@ -115,6 +115,7 @@ c10::intrusive_ptr<c10d::Work> post_in_order(const Group& pg, std::vector<at::Te
 struct PendingSend {
   c10::intrusive_ptr<c10d::Work> work;
   at::Tensor keep;
+  int dst;
 };
 
 std::mutex g_mu;
@@ -134,23 +135,32 @@ Group resolve_group(const std::string& name, const char* op) {
   }
 }
 
-void reap_sends(const std::string& name, bool wait) {
+void reap_sends(const std::string& name) {
   std::deque<PendingSend> done;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     auto it = g_sends.find(name);
     if (it == g_sends.end()) return;
     auto& q = it->second;
-    if (wait) {
-      done.swap(q);
-    } else {
-      while (!q.empty() && q.front().work->isCompleted()) {
-        done.push_back(std::move(q.front()));
-        q.pop_front();
-      }
+    while (!q.empty() && q.front().work->isCompleted()) {
+      done.push_back(std::move(q.front()));
+      q.pop_front();
     }
   }
   for (auto& s : done) s.work->wait();  // rethrows a failed send
+}
+
+void release_sends(const std::string& name, int64_t peer) {
+  std::deque<PendingSend> done;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_sends.find(name);
+    if (it == g_sends.end()) return;
+    std::deque<PendingSend> others;
+    for (auto& s : it->second) (peer < 0 || s.dst == peer ? done : others).push_back(std::move(s));
+    it->second.swap(others);
+  }
+  for (auto& s : done) s.work->wait();  // at once when the peer has it; rethrows a failed send
 }
 
 void isend(const Group& pg, const std::string& name, at::Tensor t, int dst, int tag) {
@@ -161,7 +171,7 @@ void isend(const Group& pg, const std::string& name, at::Tensor t, int dst, int 
   {
     std::lock_guard<std::mutex> lock(g_mu);
     auto& q = g_sends[name];
-    q.push_back({work, ts[0]});
+    q.push_back({work, ts[0], dst});
     if (static_cast<int>(q.size()) > kMaxPendingSends) {
       oldest = std::move(q.front());
       q.pop_front();
@@ -194,6 +204,12 @@ void recv(const Group& pg, at::Tensor& t, int src, int tag, const char* op,
   finish(irecv(pg, t, src, tag), op, src, what);
 }
 
+namespace {
+void release_sends_op(c10::string_view name, int64_t peer) {
+  release_sends(std::string(name), peer);
+}
+}  // namespace
+
 at::Tensor as_bytes(const at::Tensor& t) {
   return t.contiguous().view({-1}).view(at::kByte);
 }
@@ -205,3 +221,9 @@ void check_float_rows(const at::Tensor& t, const char* op, const char* arg) {
 }
 
 }  // namespace afd
+
+// Not an Ascend op: the portable kernels' own bookkeeping, so a namespace of its own that the
+// vendor's afd_ascend library never has (the connectors call it only where it exists).
+TORCH_LIBRARY(afd_portable, m) {
+  m.def("release_sends(str group_name, int peer=-1) -> ()", &afd::release_sends_op);
+}

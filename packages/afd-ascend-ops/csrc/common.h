@@ -17,8 +17,11 @@ using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 // _register_process_group). `op` names the caller in the error when none is.
 Group resolve_group(const std::string& name, const char* op);
 
-// Post a send and return at once. The tensor is kept until the send completes; completed sends
-// are released on later calls, and at most kMaxPendingSends stay in flight per group.
+// Post a send and return at once. The tensor is kept until the send is released: by
+// release_sends, which the connectors call where their protocol proves the peer has received it
+// (a Gloo send completes only once the peer posted the matching receive, and reports it only
+// when waited on, so completion cannot be polled); as a backstop the oldest is waited for once
+// kMaxPendingSends are pending in a group.
 void isend(const Group& pg, const std::string& name, at::Tensor t, int dst, int tag);
 
 // Post a receive; wait for it with `finish`. The group's timeout bounds the wait.
@@ -30,9 +33,14 @@ void finish(const c10::intrusive_ptr<c10d::Work>& work, const char* op, int src,
 void recv(const Group& pg, at::Tensor& t, int src, int tag, const char* op,
           const std::string& what);
 
-// Release the sends of `name` that completed (all of them with `wait`, bounded by the group
-// timeout). Called at the start of every op so finished handles do not pile up.
-void reap_sends(const std::string& name, bool wait);
+// Release the sends of `name` that report completion (the in-order lanes' do). Called at the
+// start of every op.
+void reap_sends(const std::string& name);
+
+// Wait for and release the sends of `name` to `peer` (every peer if < 0). Called where the peer
+// is known to have them, so the wait returns at once; bounded by the group timeout otherwise.
+// Python: torch.ops.afd_portable.release_sends(group_name, peer).
+void release_sends(const std::string& name, int64_t peer);
 
 // Bytes of a tensor viewed as uint8 [nbytes] (contiguous).
 at::Tensor as_bytes(const at::Tensor& t);

@@ -14,7 +14,7 @@ import torch
 
 from afd_common import metrics
 from afd_common.attention_half import AttentionHalf
-from afd_common.cam_wire import ATTENTION_TP, CAMAsyncHalf, op_error
+from afd_common.cam_wire import ATTENTION_TP, CAMAsyncHalf, op_error, release_sends
 from afd_common.metadata import LayerCall
 from afd_common.sync_connector import WATCH_TAG
 
@@ -32,6 +32,11 @@ class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionHalf):
         links = self._require_links()
         links.io.watch([self.topology.ffn_global_rank(f) for f in range(
             self.config.num_ffn_ranks)], WATCH_TAG, lambda peer, reason: on_lost(reason))
+
+    def begin_step(self, meta) -> None:
+        super().begin_step(meta)
+        # The last step's results all came back, each sent after its rows were received.
+        release_sends(self._require_links().name)
 
     def _dispatch(self, x, ids, stage: int, layer: int) -> None:
         torch.ops.afd_ascend.afd_async_dispatch_send(

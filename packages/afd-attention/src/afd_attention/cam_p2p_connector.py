@@ -25,6 +25,10 @@ class CAMP2pAttentionConnector(CAMP2pHalf, SyncAttentionConnector):
         self._peer = f"FFN rank {self._ffn_rank}"
         self._rec = metrics.recorder("attention", self.config.connector)
 
+    def begin_step(self, meta) -> None:
+        super().begin_step(meta)
+        self._release_sends()
+
     def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None) -> None:
         self._require_net()
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)

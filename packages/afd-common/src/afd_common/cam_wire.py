@@ -62,6 +62,22 @@ def require_ops(kind: str, device: torch.device, connector: str, role: str) -> N
     check(device)
 
 
+_portable_release: bool | None = None
+
+
+def release_sends(group_name: str, peer: int = -1) -> None:
+    """Free the tensors of this group's sends to ``peer`` (every peer if -1), called where the
+    protocol proves the peer has them. The portable kernels keep each sent tensor until then: a
+    Gloo send completes only once the peer posted its receive and says so only when waited on,
+    so nothing else would free it. A vendor's afd_ascend library manages its own buffers and has
+    no such op; then this does nothing."""
+    global _portable_release
+    if _portable_release is None:
+        _portable_release = torch._C._dispatch_has_kernel("afd_portable::release_sends")
+    if _portable_release:
+        torch.ops.afd_portable.release_sends(group_name, peer)
+
+
 def check_cam_p2p_topology(num_attention_ranks: int, num_ffn_ranks: int, sharded: bool) -> None:
     if num_attention_ranks < num_ffn_ranks and not sharded:
         raise AFDConfigError("num_ffn_ranks", num_ffn_ranks,
@@ -192,6 +208,14 @@ class CAMP2pHalf:
         inorder.enabled()  # the ops read AFD_TEST_INORDER themselves; this logs that it is on
         links, self._groups = open_cam_p2p_world(self)
         return links
+
+    def _release_sends(self) -> None:
+        """At a step boundary, where every send of the last step was received: the attention
+        side begins a step after receiving all of the last one's results, which the FFN side
+        sent after receiving all of its rows; the FFN side is told of a step only by attention
+        ranks that finished the last one, every result received."""
+        for name in self._groups:
+            release_sends(name)
 
     def _op_args(self, stage: int) -> dict:
         """The arguments of a2e / e2a every call of this half passes."""

@@ -112,13 +112,21 @@ def make_inputs(spec: Spec, step: int, rank: int, layer: int, stage: int, n: int
     return x, ids, weights
 
 
+def rss_mib() -> float:
+    """This process's resident memory now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def attention_rank(spec: Spec, rank: int) -> dict:
     cls = resolve_connector(spec.connector, "attention")
     conn = cls(spec.config("attention"), rank, spec.shape())
     want_fn = expected_async if cls.supports_async_dp or spec.sharded else expected
-    checked = 0
+    checked, warm = 0, None
     with conn:
         for step in range(spec.steps):
+            if step == 1:  # after a warm-up step: what grows from here on is held, not set up
+                warm = rss_mib()
             counts = tuple(tokens(step, rank, s) for s in range(spec.stages))
             conn.begin_step(StepMetadata(step, StepKind.RUN, counts))
             for layer in range(spec.num_layers):
@@ -136,7 +144,11 @@ def attention_rank(spec: Spec, rank: int) -> dict:
                                              f"stage {stage}: rows {bad[:8]} differ")
                     checked += out.shape[0]
             conn.end_step()
-    return {"rows_checked": checked}
+    return {"rows_checked": checked, "rss_growth_mib": _growth(warm)}
+
+
+def _growth(warm: float | None) -> float | None:
+    return None if warm is None else round(rss_mib() - warm, 1)
 
 
 def ffn_rank(spec: Spec, rank: int) -> dict:
@@ -145,13 +157,16 @@ def ffn_rank(spec: Spec, rank: int) -> dict:
     conn = cls(spec.config("ffn"), rank, spec.shape())
     owners = conn.shape.placement.owner_table if spec.sharded else None
     served = {"rows": 0, "steps": 0}
+    warm = None
     with conn:
         if conn.control_plane is None:
-            return _serve_async(conn, served)
+            return _serve_async(conn, served, spec.num_layers)
         while True:
             plan = conn.recv_step()
             if plan.kind == StepKind.STOP:
                 break
+            if served["steps"] == 1:
+                warm = rss_mib()
             for layer in range(spec.num_layers):
                 if spec.die_ffn_rank == rank and (plan.step, layer) == spec.die_at:
                     os._exit(17)
@@ -168,17 +183,20 @@ def ffn_rank(spec: Spec, rank: int) -> dict:
                         served["rows"] += item.num_tokens
             conn.end_step()
             served["steps"] += 1
-    return served
+    return {**served, "rss_growth_mib": _growth(warm)}
 
 
-def _serve_async(conn, served: dict) -> dict:
+def _serve_async(conn, served: dict, warm_after: int) -> dict:
     """The receive loop of an async connector: each item names its layer; row i goes to expert
-    ``topk_ids[i, 0]``."""
+    ``topk_ids[i, 0]``. Memory is measured from item ``warm_after`` on."""
     served["items"] = 0
+    warm = None
     while True:
         item = conn.recv_ffn_work_item(0)
+        if served["items"] == warm_after:
+            warm = rss_mib()
         if item.meta.is_stop:
-            return served
+            return {**served, "rss_growth_mib": _growth(warm)}
         if item.num_tokens:
             y = item.hidden_states * (item.layer_idx + 1) + item.meta.stage \
                 + item.topk_ids.to(item.hidden_states.dtype)

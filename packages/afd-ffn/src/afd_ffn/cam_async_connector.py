@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from afd_common.cam_wire import ATTENTION_TP as TP_SIZE, CAMAsyncHalf, op_error
+from afd_common.cam_wire import ATTENTION_TP as TP_SIZE, CAMAsyncHalf, op_error, release_sends
 from afd_common.contract import FFNConnector
 from afd_common.errors import AFDProtocolError
 from afd_common.metadata import StepKind, WorkItem, WorkItemMeta
@@ -63,6 +63,9 @@ class CAMAsyncFFNConnector(CAMAsyncHalf, FFNConnector):
             self.shape.check_layer(layer)
         except ValueError as e:
             raise AFDProtocolError(f"attention rank {source}: {e}") from None
+        # This attention rank sends a layer's rows only after it received every result of its
+        # last layer (one micro-batch: check_cam_async), so it has all we sent it before.
+        release_sends(self._links.name, self.topology.global_rank("attention", source))
         rows = x[:n]
         if self._quant:
             rows = (rows.to(torch.float32) * scales[:n, None]).to(shape.dtype)
