@@ -1,4 +1,4 @@
-"""A worker that loses its peer ends the server non-zero; an orderly stop ends it with 0.
+"""A worker that cannot go on ends the server non-zero, through vLLM's own shutdown.
 
 Real processes, no vLLM: a "root" that installs the failure handler and a "worker" child that
 calls the lifecycle functions the role workers call.
@@ -47,21 +47,3 @@ def test_failed_worker_ends_itself_and_the_root_exits_non_zero(stop):
     assert f"worker exit {lifecycle.FAILED_EXIT_CODE}, stopped {stop}" in r.stdout
     assert "not reached" not in r.stdout
     assert r.stderr.count("AFD: ") == 1 and "lost attention rank 0" in r.stderr
-
-
-def test_orderly_stop_signals_the_root_and_exits_zero():
-    r = run_root("""
-        from afd_common import lifecycle
-        assert lifecycle.stop_server("the attention role stopped after 3 steps")
-        assert lifecycle.stop_server("only once")
-    """)
-    assert r.returncode == 0, r.stderr
-    assert "worker exit 0, stopped True" in r.stdout
-
-
-@pytest.mark.parametrize("pid", ["", "self"])
-def test_no_separate_root_means_the_caller_must_raise(monkeypatch, pid):
-    import os
-    monkeypatch.setenv("AFD_SERVER_PID", str(os.getpid()) if pid == "self" else "")
-    monkeypatch.setattr(lifecycle, "_stopping", False)
-    assert lifecycle.stop_server() is False

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
-import re
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,8 @@ THIRD_PARTY = Path(__file__).parent / "third_party"
 
 
 @pytest.mark.parametrize("change,field", MISMATCHES, ids=[m[0] for m in MISMATCHES])
-def test_mismatched_roles_both_stop_naming_the_field(change, field, models, other_models, logs):
+def test_mismatched_roles_are_refused_naming_the_field(change, field, models, other_models,
+                                                       logs):
     port = free_port()
     attn_model = ffn_model = models["deepseek_v2"]
     ffn_afd: dict = {}
@@ -91,12 +93,15 @@ def test_mismatched_roles_both_stop_naming_the_field(change, field, models, othe
     try:
         later = max(wait_for_line(ffn, "waiting for the attention role"),
                     wait_for_line(attention, "connecting to the FFN role"))
-        gone = wait_gone([ffn, attention], max(0.0, later + 30 - time.monotonic()))
-        say(f"mismatch {change}: both stopped {time.monotonic() - later:.1f} s after the later "
-            f"role reached the handshake (exit codes: FFN {ffn.proc.returncode}, attention "
-            f"{attention.proc.returncode})")
-        assert gone, f"still running: FFN {ffn.pids()}, attention {attention.pids()}"
-        assert ffn.proc.returncode != 0 and attention.proc.returncode != 0
+        gone = wait_gone([attention], max(0.0, later + 30 - time.monotonic()))
+        say(f"mismatch {change}: the attention role stopped {time.monotonic() - later:.1f} s "
+            f"after the later role reached the handshake (exit code "
+            f"{attention.proc.returncode}); the FFN role waits for another")
+        assert gone, f"still running: attention {attention.pids()}"
+        assert attention.proc.returncode != 0
+        # The FFN role refused that attention role and stays up for one that belongs.
+        wait_for_line(ffn, "waiting for the next attention role", 30)
+        assert not ffn.exited()
         for server in (ffn, attention):
             log = server.log_path.read_text(errors="replace")
             assert f"'{field}' differs" in log, f"{server.name}:\n{server.log_tail(40)}"
@@ -144,15 +149,31 @@ def test_auth_token_right_works_and_is_never_logged(auth_pair, colocated):
         assert "auth_token" in log and SECRET not in log
 
 
-def test_sigkill_attention_ends_ffn_non_zero(auth_pair):
+def test_the_ffn_role_outlives_a_killed_attention_role_and_serves_the_next(auth_pair, colocated,
+                                                                           logs):
+    """SIGKILL the attention role: the FFN role, the same process, names the loss and waits; a
+    new attention role then gets the colocated answers through it."""
+    ffn, old = auth_pair.ffn, auth_pair.attention
+    pid = ffn.proc.pid
     killed = time.monotonic()
-    kill_all(auth_pair.attention)
-    assert wait_gone([auth_pair.ffn], 15 + 10), auth_pair.ffn.log_tail()
-    say(f"SIGKILL attention: FFN gone after {time.monotonic() - killed:.1f} s, exit "
-        f"{auth_pair.ffn.proc.returncode}")
-    assert auth_pair.ffn.proc.returncode == FAILED_EXIT_CODE, auth_pair.ffn.log_tail()
-    log = auth_pair.ffn.log_path.read_text(errors="replace")
-    assert re.search(r"AFD: FFN rank 0 failed: .*attention rank 0", log), log[-3000:]
+    kill_all(old)
+    wait_for_line(ffn, "waiting for the next attention role", 30)
+    took = time.monotonic() - killed
+    status = json.loads(urllib.request.urlopen(ffn.url + "/health", timeout=10).read())
+    say(f"SIGKILL attention: the FFN role waits for the next after {took:.1f} s: {status}")
+    assert status["healthy"] and status["ranks"][0]["state"] == "waiting"
+    assert "attention rank 0" in status["ranks"][0]["error"]
+    new = Server(f"{old.name}-2", old.model, free_port(), logs / f"{old.name}-2.log",
+                 args=old.args, env=old.env, cores=old.cores).start()
+    try:
+        new.wait_ready(progress=say, others=(ffn,))
+        problems = compare(complete(new, PROMPTS[:NUM_PROMPTS]), colocated["qwen3_moe"])
+        assert not problems, "\n".join(problems)
+        assert ffn.proc.pid == pid and not ffn.exited()
+        status = json.loads(urllib.request.urlopen(ffn.url + "/health", timeout=10).read())
+        assert status["ranks"][0]["attention_worlds"] == 2, status
+    finally:
+        new.stop(10)
 
 
 @pytest.fixture(scope="module")

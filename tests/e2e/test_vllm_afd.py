@@ -136,8 +136,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(case, models, colocated,
-                                                                    logs, request):
+def test_afd_matches_colocated_then_the_ffn_role_outlives_its_attention_role(case, models,
+                                                                           colocated, logs,
+                                                                           request):
     hosts = request.getfixturevalue("hosts") if case.hosts else None
     with afd_pair(case.id, logs, models[case.arch], hosts=hosts, **case.afd()) as pair:
         answers = complete(pair.attention, PROMPTS[:NUM_PROMPTS])
@@ -168,10 +169,9 @@ def test_afd_matches_colocated_then_sigterm_on_attention_ends_both(case, models,
         with pytest.raises(Exception, match="400"):
             complete(pair.ffn, PROMPTS[:1])
 
-        # Ctrl-C / SIGTERM on the attention server ends both roles, cleanly.
-        sigterm_ends_both(pair, pair.attention_ranks)
-        assert pair.attention.proc.returncode == 0, "the server stopped on purpose exits 0"
-        assert pair.ffn.proc.returncode in (0, FAILED_EXIT_CODE)
+        # Ctrl-C / SIGTERM on the attention server ends it cleanly; the FFN role, a service,
+        # stays up for the next attention role until it is stopped itself.
+        sigterm_attention_then_ffn(pair)
 
 
 def check_weights(pair, case: Case, model_dir) -> None:
@@ -256,10 +256,10 @@ def check_metrics(pair, case: Case) -> None:
 
 
 def sigterm_ends_both(pair, servers) -> None:
-    """SIGTERM one role (each of its servers: on several hosts, vLLM's headless DP ranks are
+    """SIGTERM the FFN role (each of its servers: on several hosts, vLLM's headless DP ranks are
     stopped host by host, as their front end does not stop them): both roles must be gone within
-    30 s. The peer exits 0 when the stopped role's worker said goodbye before vLLM's shutdown
-    killed it, else 3 (a lost peer)."""
+    30 s, as an attention role cannot serve without its FFN role. It exits 0 when the FFN
+    worker said goodbye before vLLM's shutdown killed it, else 3 (a lost peer)."""
     start = time.monotonic()
     for server in servers:
         server.signal(signal.SIGTERM)
@@ -267,6 +267,35 @@ def sigterm_ends_both(pair, servers) -> None:
         f"{s.name}: processes left {s.pids()}\n{s.log_tail()}" for s in pair.servers)
     say(f"SIGTERM on {servers[0].name}: both roles gone after {time.monotonic() - start:.1f} s, "
         f"exit codes: attention {pair.attention.proc.returncode}, FFN {pair.ffn.proc.returncode}")
+
+
+def sigterm_attention_then_ffn(pair) -> None:
+    """SIGTERM the attention role (each of its servers): it exits 0 within 30 s, and every FFN
+    rank, still the same process, reports that it waits for the next attention role. Then
+    SIGTERM the FFN role: it exits 0 within 30 s."""
+    start = time.monotonic()
+    pids = [s.proc.pid for s in pair.ffn_ranks]
+    for server in pair.attention_ranks:
+        server.signal(signal.SIGTERM)
+    assert wait_gone(pair.attention_ranks, 30), "\n".join(
+        f"{s.name}: processes left {s.pids()}\n{s.log_tail()}" for s in pair.attention_ranks)
+    assert all(s.proc.returncode == 0 for s in pair.attention_ranks), "stopped on purpose: 0"
+    end = time.monotonic() + 30
+    while True:
+        ranks = json.loads(_get(pair.ffn.url + "/health"))["ranks"]
+        if all(r["state"] == "waiting" for r in ranks) or time.monotonic() > end:
+            break
+        time.sleep(0.5)
+    assert all(r["state"] == "waiting" and r["healthy"] for r in ranks), ranks
+    assert [s.proc.pid for s in pair.ffn_ranks] == pids and not any(
+        s.exited() for s in pair.ffn_ranks)
+    say(f"SIGTERM on {pair.attention.name}: it is gone, the FFN role waits for the next "
+        f"({time.monotonic() - start:.1f} s)")
+    for server in pair.ffn_ranks:
+        server.signal(signal.SIGTERM)
+    assert wait_gone(pair.servers, 30), "\n".join(
+        f"{s.name}: processes left {s.pids()}\n{s.log_tail()}" for s in pair.ffn_ranks)
+    assert all(s.proc.returncode == 0 for s in pair.ffn_ranks), "stopped on purpose: 0"
 
 
 def _get(url: str) -> str:

@@ -53,7 +53,8 @@ def run_afd(model: Path, prompts, max_tokens, logs: Path, gate_on_attention: boo
         answers = complete(attention, prompts, max_tokens)
         return answers, time.monotonic() - t0, attention.rss_bytes(), ffn.rss_bytes()
     finally:
-        attention.signal()
+        attention.signal()  # the attention role first: its goodbye ends the FFN role's world,
+        ffn.signal()        # and the FFN role, a service that would wait for the next, is next
         clean = wait_gone((attention, ffn), 30)
         ffn.stop(1), attention.stop(1)
         say("both roles stopped" + ("" if clean else " (some processes had to be killed)"))

@@ -1,15 +1,13 @@
-"""Ending a role when its AFD peer is gone, through vLLM's own shutdown paths.
+"""Ending a role that cannot go on, through vLLM's own shutdown paths.
 
-A role without its peer can do nothing useful. Who notices is a worker; what must happen is
-server-wide, and depends on how the peer ended:
+The attention role cannot serve without its FFN role; the FFN role, a service, outlives its
+attention roles (afd_ffn.service) and ends only on a failure of its own. Who notices is a worker;
+what must happen is server-wide:
 
-* After an orderly end (the FFN role got the attention role's STOP) the worker asks the server's
-  root process (the first vLLM process, recorded by the plugin) to stop with SIGTERM, vLLM's
-  normal shutdown.
-* After a failure (a lost or mismatched peer, a timeout) the worker marks the root failed and
-  ends itself. vLLM's worker monitor then fails the engine: in-flight requests get an error
-  response (a SIGTERM would instead wait for them forever), ``/health`` answers 503, and vLLM's
-  watchdog stops the server. An FFN role can fail while vLLM is still starting, where neither the
+* The worker marks the server's root process (the first vLLM process, recorded by the plugin)
+  failed and ends itself. vLLM's worker monitor then fails the engine: in-flight requests get an
+  error response (a SIGTERM would instead wait for them forever), ``/health`` answers 503, and
+  vLLM's watchdog stops the server. An FFN role can fail while vLLM is still starting, where neither the
   watchdog nor every SIGTERM takes effect, so its root also stops itself, repeating SIGTERM until
   it goes. ``vllm serve`` then exits with ``FAILED_EXIT_CODE``. An attention worker in the middle
   of a step is not ended from outside: the step's own receive raises, with the same outcome.
@@ -38,7 +36,6 @@ FAILED_EXIT_CODE = 3
 STOP_RETRY_S = 5.0
 
 _lock = threading.Lock()
-_stopping = False
 _failed = False
 _root_failed = False
 
@@ -67,19 +64,6 @@ def mark_failed(reason: str) -> None:
     if first:
         logger.error("AFD: %s -- ending this role", reason)
         _signal_root(FAILED_SIGNAL)
-
-
-def stop_server(reason: str | None = None) -> bool:
-    """Stop this server through vLLM's normal shutdown. False when there is no separate root
-    (an in-process ``LLM``), in which case the caller raises instead."""
-    global _stopping
-    with _lock:
-        first, _stopping = not _stopping, True
-    if not first:
-        return True
-    if reason:
-        logger.info("AFD: %s -- stopping this role", reason)
-    return _signal_root(signal.SIGTERM)
 
 
 def exit_worker() -> None:

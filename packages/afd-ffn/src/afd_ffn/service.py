@@ -1,22 +1,25 @@
-"""The FFN role's serving loop, in a thread of the FFN worker.
+"""The FFN role's serving loop, in a thread of the FFN worker: a service that outlives its
+attention roles.
 
 vLLM's worker keeps answering its engine's calls (start-up, status) on its main thread while this
-thread connects to the attention role and runs the sync runner (or, for connectors without a
-control plane, the async runner) until the attention role stops.
-When the loop ends the whole FFN server goes down with it: an FFN role without its attention role
-has nothing to do. After a STOP the server is stopped normally; after a failure this worker ends,
-so vLLM fails the engine -- which also works while vLLM is still starting up, when a stop signal
-to the server would be swallowed (afd_common.lifecycle).
+thread waits for an attention world, serves it with the sync runner (or, for connectors without
+a control plane, the async runner) and, when that world ends -- stopped, crashed, restarted, or
+refused at the handshake -- closes its connector and waits for the next one. The FFN role holds
+no per-request state, so whichever attention world completes the handshake next (same model
+fingerprint and token) is served from its first step. It ends only when stopped, or on a failure
+of its own (afd_common.lifecycle), or when ``connect_timeout_s`` is set and no attention role
+turned up within it.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
 
 from afd_common.config import AFDConfig
-from afd_common.errors import AFDError
+from afd_common.errors import AFDError, AFDTimeoutError
 from afd_common import lifecycle
 from afd_common.metadata import ModelShape
 from afd_common.model_thread import enter_model_thread
@@ -27,6 +30,10 @@ from afd_ffn.sync_runner import SyncFFNRunner
 
 logger = logging.getLogger("vllm.afd")
 
+# After a world ended badly, before waiting for the next: FFN ranks other than 0 must not find
+# rank 0's old rendezvous still up, and a role that keeps failing must not spin.
+NEXT_WORLD_PAUSE_S = 2.0
+
 
 class FFNService:
     def __init__(self, config: AFDConfig, rank: int, shape: ModelShape, compute, device,
@@ -36,11 +43,18 @@ class FFNService:
         self.compute = compute
         self.device = device
         self.state = "starting"
-        self.error: str | None = None
+        self.error: str | None = None  # why the last attention world ended, if not by a stop
+        self.worlds = 0
         self.runner: SyncFFNRunner | AsyncFFNRunner | None = None
+        self._steps_before = 0  # served in earlier worlds
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"afd-ffn-{rank}", daemon=True)
-        self.connector = resolve_connector(config.connector, "ffn")(config, rank, shape, device)
+        self.connector = self._new_connector()  # bad config fails here, in load_model
+
+    def _new_connector(self):
+        return resolve_connector(self.config.connector, "ffn")(self.config, self.rank,
+                                                               self.shape, self.device)
 
     def start(self) -> None:
         self._thread.start()
@@ -48,23 +62,8 @@ class FFNService:
     def _run(self) -> None:
         try:
             enter_model_thread(self.vllm_config, self.device)
-            self.state = "connecting"
-            logger.info("AFD FFN rank %d: waiting for the attention role on %s:%d",
-                        self.rank, self.config.host, self.config.port)
-            self.connector.init()
-            self.state = "serving"
-            logger.info("AFD FFN rank %d: connected; serving %d MoE layers", self.rank,
-                        len(self.shape.moe_layers))
-            # Connectors without a control plane carry the layer index in their data: the
-            # receive loop is the clock.
-            runner_cls = (SyncFFNRunner if self.connector.control_plane is not None
-                          else AsyncFFNRunner)
-            self.runner = runner_cls(self.connector, self.compute)
-            steps = self.runner.run(self._stop.is_set)
-            self.state = "stopped"
-            if not self._stop.is_set():
-                lifecycle.stop_server(f"FFN rank {self.rank}: the attention role stopped "
-                                      f"after {steps} steps")
+            while not self._stop.is_set():
+                self._serve_one_world()
         except BaseException as e:  # noqa: BLE001 - reported through /health and the log
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"
             if not self._stop.is_set():
@@ -72,18 +71,68 @@ class FFNService:
                     logger.exception("AFD FFN rank %d: unexpected error", self.rank)
                 lifecycle.mark_failed(f"FFN rank {self.rank} failed: {self.error}")
                 lifecycle.exit_worker()
+
+    def _serve_one_world(self) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                return
+            if self.connector is None:
+                self.connector = self._new_connector()
+            connector = self.connector
+        c = self.config
+        self.state = "waiting"
+        logger.info("AFD FFN rank %d: waiting for the attention role on %s:%d", self.rank,
+                    c.host, c.port)
+        try:
+            connector.init()
+            self.state = "serving"
+            self.worlds += 1
+            logger.info("AFD FFN rank %d: connected; serving %d MoE layers (attention world "
+                        "%d)", self.rank, len(self.shape.moe_layers), self.worlds)
+            # Connectors without a control plane carry the layer index in their data: the
+            # receive loop is the clock.
+            runner_cls = (SyncFFNRunner if connector.control_plane is not None
+                          else AsyncFFNRunner)
+            self.runner = runner_cls(connector, self.compute)
+            steps = self.runner.run(self._stop.is_set)
+            self.error = None
+            if not self._stop.is_set():
+                logger.info("AFD FFN rank %d: the attention role stopped after %d steps; "
+                            "waiting for the next one", self.rank, steps)
+        except AFDError as e:
+            if self._stop.is_set():
+                return
+            if (isinstance(e, AFDTimeoutError) and self.state == "waiting"
+                    and c.extra.connect_timeout_s is not None):
+                raise  # the bound the user asked for: no attention role turned up
+            self.error = f"{type(e).__name__}: {e}"
+            logger.warning("AFD FFN rank %d: attention world ended: %s -- waiting for the next "
+                           "attention role", self.rank, self.error)
+            self._stop.wait(NEXT_WORLD_PAUSE_S)
         finally:
-            self.connector.close()
+            with self._lock:
+                if self.runner is not None:
+                    self._steps_before += self.runner.steps_done
+                    self.runner = None
+                self.connector = None
+            connector.close()
+            # The closed world's store and groups may sit in reference cycles: free them now,
+            # so rank 0's rendezvous port is free for the next world.
+            gc.collect()
 
     def status(self) -> dict:
         runner = self.runner
         return {"rank": self.rank, "state": self.state,
-                "healthy": self.state in ("connecting", "serving"),
-                "steps": runner.steps_done if runner else 0,
+                "healthy": self.state in ("starting", "waiting", "serving"),
+                "steps": self._steps_before + (runner.steps_done if runner else 0),
+                "attention_worlds": self.worlds,
                 "seconds_since_last_step": (round(time.monotonic() - runner.last_step_at, 3)
                                             if runner and runner.last_step_at else None),
                 "error": self.error}
 
     def stop(self) -> None:
         self._stop.set()
-        self.connector.close()
+        with self._lock:
+            connector = self.connector
+        if connector is not None:
+            connector.close()

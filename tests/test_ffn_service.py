@@ -1,0 +1,125 @@
+"""The FFN role as a service: one FFN process serves attention world after attention world --
+stopped, killed mid-step, or refused at the handshake -- and each new one gets exact results.
+
+The FFN side is ``afd_ffn.service.FFNService`` (what the FFN worker runs) in a spawned process;
+each attention world is a spawned ``afd-selftest`` attention rank that checks every result.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from dataclasses import replace
+
+import pytest
+
+from afd_common.selftest import Spec, expected, free_port
+from afd_common.selftest import _entry as selftest_rank
+from op_world import join_or_kill
+
+pytestmark = pytest.mark.multiproc
+
+
+def _compute(item, plan):
+    return expected(item.hidden_states, item.layer_idx, item.meta.stage, item.topk_ids,
+                    item.topk_weights)
+
+
+def _ffn_service(spec: Spec, rank: int, commands, replies) -> None:
+    import torch
+
+    from afd_ffn.service import FFNService
+
+    torch.set_num_threads(1)
+    service = FFNService(spec.config("ffn"), rank, spec.shape(), _compute, "cpu")
+    service.start()
+    while True:
+        command = commands.get()
+        if command == "stop":
+            service.stop()
+            replies.put(("stopped", service._thread.is_alive()))
+            return
+        replies.put(service.status())
+
+
+class Service:
+    def __init__(self, spec: Spec, ranks: int):
+        ctx = mp.get_context("spawn")
+        self.links = [(ctx.Queue(), ctx.Queue()) for _ in range(ranks)]
+        self.procs = [ctx.Process(target=_ffn_service, args=(spec, r, *q), daemon=True)
+                      for r, q in enumerate(self.links)]
+        for p in self.procs:
+            p.start()
+
+    def status(self) -> list[dict]:
+        for commands, _ in self.links:
+            commands.put("status")
+        return [replies.get(timeout=30) for _, replies in self.links]
+
+    def wait_for(self, predicate, timeout_s: float = 60) -> list[dict]:
+        end = time.monotonic() + timeout_s
+        while True:
+            states = self.status()
+            if all(predicate(s) for s in states) or time.monotonic() > end:
+                return states
+            time.sleep(0.2)
+
+
+def attention_world(spec: Spec, deadline_s: float = 60, kill_after=None) -> list:
+    """Run every attention rank of ``spec``; [(status, detail)] by rank. ``kill_after()``:
+    SIGKILL the ranks once it returns True."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=selftest_rank, args=("attention", spec, a, q), daemon=True)
+             for a in range(spec.num_attention_ranks)]
+    for p in procs:
+        p.start()
+    if kill_after is not None:
+        end = time.monotonic() + deadline_s
+        while not kill_after() and time.monotonic() < end:
+            time.sleep(0.1)
+        for p in procs:
+            p.kill()
+        join_or_kill(procs)
+        return [("killed", "")]
+    got = []
+    try:
+        while len(got) < len(procs):
+            _, rank, status, detail = q.get(timeout=deadline_s)
+            got.append((status, detail))
+    except queue.Empty:
+        got.append(("hung", ""))
+    finally:
+        join_or_kill(procs)
+    return got
+
+
+@pytest.mark.parametrize("A,F", [(1, 1), (2, 2)], ids=["1A1F", "2A2F"])
+def test_one_ffn_role_serves_world_after_world(A, F):
+    spec = Spec(A, F, steps=3, num_layers=3, stages=2, gate_on_attention=True, sharded=F > 1,
+                timeout_s=20, port=free_port())
+    service = Service(spec, F)
+    try:
+        # 1. An attention world that runs and stops: the FFN role waits for the next one.
+        assert all(s == "ok" for s, _ in attention_world(spec)), "first world"
+        states = service.wait_for(lambda s: s["state"] == "waiting" and s["attention_worlds"])
+        assert all(s["healthy"] and s["error"] is None for s in states), states
+        # 2. One killed mid-run (SIGKILL, nothing said): the FFN role names the loss and waits.
+        long = replace(spec, steps=10_000)
+        attention_world(long, kill_after=lambda: all(
+            s["state"] == "serving" and s["steps"] > 3 for s in service.status()))
+        states = service.wait_for(lambda s: s["state"] == "waiting" and s["attention_worlds"] == 2)
+        assert all(s["state"] == "waiting" and s["error"] for s in states), states
+        # 3. One that does not belong (another hidden size): refused, the FFN role stays.
+        other = attention_world(replace(spec, hidden_size=32))
+        assert all(s == "error" and "hidden_size" in d for s, d in other), other
+        # 4. And the next right one gets exact results (checked row by row by the rank).
+        assert all(s == "ok" for s, _ in attention_world(spec)), "world after the failures"
+        states = service.wait_for(lambda s: s["attention_worlds"] == 3 and s["state"] == "waiting")
+        print(f"FFN ranks after four attention worlds: {states}")
+        assert all(s["attention_worlds"] == 3 and s["healthy"] for s in states), states
+    finally:
+        for commands, _ in service.links:
+            commands.put("stop")
+        join_or_kill(service.procs, timeout_s=15)
