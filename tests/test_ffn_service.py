@@ -14,16 +14,28 @@ from dataclasses import replace
 
 import pytest
 
-from afd_common.selftest import Spec, expected, free_port
+from afd_common.selftest import Spec, expected, expected_async, free_port
 from afd_common.selftest import _entry as selftest_rank
 from op_world import join_or_kill
 
 pytestmark = pytest.mark.multiproc
 
 
-def _compute(item, plan):
-    return expected(item.hidden_states, item.layer_idx, item.meta.stage, item.topk_ids,
-                    item.topk_weights)
+def _compute_for(spec: Spec, rank: int):
+    """What afd-selftest's FFN ranks compute (sharded: this rank's experts' share only)."""
+    owners = spec.shape().placement.owner_table if spec.sharded else None
+
+    def compute(item, plan):
+        if spec.connector == "CAMAsyncAFDConnector":  # rows are (token, expert) pairs
+            return item.hidden_states * (item.layer_idx + 1) + item.meta.stage \
+                + item.topk_ids.to(item.hidden_states.dtype)
+        if owners is None:
+            return expected(item.hidden_states, item.layer_idx, item.meta.stage, item.topk_ids,
+                            item.topk_weights)
+        return expected_async(item.hidden_states, item.layer_idx, item.meta.stage,
+                              item.topk_ids, item.topk_weights,
+                              owners[item.topk_ids.long()] == rank)
+    return compute
 
 
 def _ffn_service(spec: Spec, rank: int, commands, replies) -> None:
@@ -32,7 +44,7 @@ def _ffn_service(spec: Spec, rank: int, commands, replies) -> None:
     from afd_ffn.service import FFNService
 
     torch.set_num_threads(1)
-    service = FFNService(spec.config("ffn"), rank, spec.shape(), _compute, "cpu")
+    service = FFNService(spec.config("ffn"), rank, spec.shape(), _compute_for(spec, rank), "cpu")
     service.start()
     while True:
         command = commands.get()
@@ -95,14 +107,18 @@ def attention_world(spec: Spec, deadline_s: float = 60, kill_after=None) -> list
     return got
 
 
-@pytest.mark.parametrize("A,F", [(1, 1), (2, 2)], ids=["1A1F", "2A2F"])
-def test_one_ffn_role_serves_world_after_world(A, F):
-    spec = Spec(A, F, steps=3, num_layers=3, stages=2, gate_on_attention=True, sharded=F > 1,
-                timeout_s=20, port=free_port())
+@pytest.mark.parametrize("connector,stages", [("P2pAFDConnector", 2),
+                                              ("CAMAsyncAFDConnector", 1)])
+def test_one_ffn_role_serves_world_after_world(connector, stages):
+    """Two FFN ranks with their share of the experts each, two attention ranks."""
+    A = F = 2
+    spec = Spec(A, F, connector=connector, steps=3, num_layers=3, stages=stages,
+                gate_on_attention=True, sharded=True, timeout_s=20, port=free_port())
     service = Service(spec, F)
     try:
         # 1. An attention world that runs and stops: the FFN role waits for the next one.
-        assert all(s == "ok" for s, _ in attention_world(spec)), "first world"
+        first = attention_world(spec)
+        assert all(s == "ok" for s, _ in first), first
         states = service.wait_for(lambda s: s["state"] == "waiting" and s["attention_worlds"])
         assert all(s["healthy"] and s["error"] is None for s in states), states
         # 2. One killed mid-run (SIGKILL, nothing said): the FFN role names the loss and waits.
@@ -110,12 +126,13 @@ def test_one_ffn_role_serves_world_after_world(A, F):
         attention_world(long, kill_after=lambda: all(
             s["state"] == "serving" and s["steps"] > 3 for s in service.status()))
         states = service.wait_for(lambda s: s["state"] == "waiting" and s["attention_worlds"] == 2)
-        assert all(s["state"] == "waiting" and s["error"] for s in states), states
+        assert all(s["state"] == "waiting" and s["error"] for s in states), str(states)
         # 3. One that does not belong (another hidden size): refused, the FFN role stays.
         other = attention_world(replace(spec, hidden_size=32))
         assert all(s == "error" and "hidden_size" in d for s, d in other), other
         # 4. And the next right one gets exact results (checked row by row by the rank).
-        assert all(s == "ok" for s, _ in attention_world(spec)), "world after the failures"
+        last = attention_world(spec)
+        assert all(s == "ok" for s, _ in last), last
         states = service.wait_for(lambda s: s["attention_worlds"] == 3 and s["state"] == "waiting")
         print(f"FFN ranks after four attention worlds: {states}")
         assert all(s["attention_worlds"] == 3 and s["healthy"] for s in states), states

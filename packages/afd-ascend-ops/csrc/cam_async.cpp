@@ -337,6 +337,19 @@ std::shared_ptr<RecvStream> stream_of(const char* op, const World& w) {
   return s;
 }
 
+}  // namespace
+
+void afd::forget_async_state(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_state_mu);
+  auto mine = [&](const std::string& key) { return key.rfind(name + "#", 0) == 0; };
+  for (auto it = g_sent.begin(); it != g_sent.end();) it = mine(it->first) ? g_sent.erase(it) : ++it;
+  for (auto it = g_streams.begin(); it != g_streams.end();) {
+    it = mine(it->first) ? g_streams.erase(it) : ++it;
+  }
+}
+
+namespace {
+
 void drop_stream(const World& w, const std::shared_ptr<RecvStream>& s) {
   std::lock_guard<std::mutex> lock(g_state_mu);
   auto it = g_streams.find(w.key());

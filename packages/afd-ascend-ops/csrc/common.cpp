@@ -204,10 +204,19 @@ void recv(const Group& pg, at::Tensor& t, int src, int tag, const char* op,
   finish(irecv(pg, t, src, tag), op, src, what);
 }
 
+void forget_group(const std::string& name) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_sends.erase(name);
+  }
+  forget_async_state(name);
+}
+
 namespace {
 void release_sends_op(c10::string_view name, int64_t peer) {
   release_sends(std::string(name), peer);
 }
+void forget_group_op(c10::string_view name) { forget_group(std::string(name)); }
 }  // namespace
 
 at::Tensor as_bytes(const at::Tensor& t) {
@@ -226,4 +235,5 @@ void check_float_rows(const at::Tensor& t, const char* op, const char* arg) {
 // vendor's afd_ascend library never has (the connectors call it only where it exists).
 TORCH_LIBRARY(afd_portable, m) {
   m.def("release_sends(str group_name, int peer=-1) -> ()", &afd::release_sends_op);
+  m.def("forget_group(str group_name) -> ()", &afd::forget_group_op);
 }

@@ -42,6 +42,13 @@ void reap_sends(const std::string& name);
 // Python: torch.ops.afd_portable.release_sends(group_name, peer).
 void release_sends(const std::string& name, int64_t peer);
 
+// Drop everything kept for group `name` once its world is closed: pending sends (their peers are
+// gone or going, so they are not waited for) and the CAMAsync kernels' streams and send logs,
+// whose posted receives would otherwise keep the closed world's Gloo context -- and with it the
+// rendezvous store and its port -- alive. Python: torch.ops.afd_portable.forget_group(name).
+void forget_group(const std::string& name);
+void forget_async_state(const std::string& name);  // cam_async.cpp's part
+
 // Bytes of a tensor viewed as uint8 [nbytes] (contiguous).
 at::Tensor as_bytes(const at::Tensor& t);
 

@@ -65,16 +65,28 @@ def require_ops(kind: str, device: torch.device, connector: str, role: str) -> N
 _portable_release: bool | None = None
 
 
+def _portable() -> bool:
+    global _portable_release
+    if _portable_release is None:
+        _portable_release = torch._C._dispatch_has_kernel("afd_portable::release_sends")
+    return _portable_release
+
+
+def forget_group(group_name: str) -> None:
+    """After the group's world closed: drop what the portable kernels keep for it (pending
+    sends, CAMAsync's posted receives), which would keep the closed world's store -- and its
+    port -- alive. A no-op for a vendor's library."""
+    if _portable():
+        torch.ops.afd_portable.forget_group(group_name)
+
+
 def release_sends(group_name: str, peer: int = -1) -> None:
     """Free the tensors of this group's sends to ``peer`` (every peer if -1), called where the
     protocol proves the peer has them. The portable kernels keep each sent tensor until then: a
     Gloo send completes only once the peer posted its receive and says so only when waited on,
     so nothing else would free it. A vendor's afd_ascend library manages its own buffers and has
     no such op; then this does nothing."""
-    global _portable_release
-    if _portable_release is None:
-        _portable_release = torch._C._dispatch_has_kernel("afd_portable::release_sends")
-    if _portable_release:
+    if _portable():
         torch.ops.afd_portable.release_sends(group_name, peer)
 
 
@@ -114,7 +126,8 @@ def open_cam_p2p_world(connector) -> tuple[SyncLinks, list[str]]:
                                       world.rendezvous.store, world.rank, world.world_size, name,
                                       connector.device)
             # c10d's registry holds groups weakly: the closure keeps ours alive until close.
-            links.on_close.append(lambda name=name, pg=pg: unregister_group(name))
+            links.on_close.append(lambda name=name, pg=pg: (unregister_group(name),
+                                                            forget_group(name)))
             names.append(name)
     except BaseException:
         links.close()
@@ -188,6 +201,7 @@ class OpsLinks:
         unregister_group(self.name)
         self._pg = None
         self.world.close()
+        forget_group(self.name)
 
 
 class CAMP2pHalf:

@@ -32,9 +32,9 @@ class SyncLinks:
     on_close: list = field(default_factory=list)
 
     def close(self) -> None:
+        self.world.close()  # first: no operation of the groups is in flight after it
         for undo in self.on_close:
             undo()
-        self.world.close()
 
 
 class _SyncHalf(abc.ABC):

@@ -33,6 +33,9 @@ logger = logging.getLogger("vllm.afd")
 # After a world ended badly, before waiting for the next: FFN ranks other than 0 must not find
 # rank 0's old rendezvous still up, and a role that keeps failing must not spin.
 NEXT_WORLD_PAUSE_S = 2.0
+# What forming a world says while rank 0's last rendezvous is still closing.
+_OLD_WORLD_CLOSING = ("is already taken by another process", "Address already in use",
+                      "lost the rendezvous")
 
 
 class FFNService:
@@ -105,6 +108,13 @@ class FFNService:
             if (isinstance(e, AFDTimeoutError) and self.state == "waiting"
                     and c.extra.connect_timeout_s is not None):
                 raise  # the bound the user asked for: no attention role turned up
+            if self.state == "waiting" and any(w in str(e) for w in _OLD_WORLD_CLOSING):
+                # Rank 0's last rendezvous is still up for a moment (its receives end as the
+                # peers' connections close): this rank found it, or rank 0 cannot re-bind yet.
+                logger.info("AFD FFN rank %d: the last attention world's rendezvous is still "
+                            "closing; trying again", self.rank)
+                self._stop.wait(NEXT_WORLD_PAUSE_S / 4)
+                return
             self.error = f"{type(e).__name__}: {e}"
             logger.warning("AFD FFN rank %d: attention world ended: %s -- waiting for the next "
                            "attention role", self.rank, self.error)
