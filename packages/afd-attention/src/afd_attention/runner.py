@@ -225,13 +225,6 @@ class AFDAttentionWorkerMixin:
         self.model_runner.afd_startup_done()
         return out
 
-    def afd_attention_status(self) -> dict:
-        session = getattr(self.model_runner, "afd_session", None)
-        rank = self.vllm_config.parallel_config.data_parallel_index
-        if session is None:
-            return {"rank": rank, "state": "loading", "connected": False}
-        return {"rank": rank, **session.status()}
-
     def shutdown(self):
         runner = getattr(self, "model_runner", None)
         if isinstance(runner, AFDAttentionRunnerMixin):

@@ -72,7 +72,6 @@ class AttentionSession:
         self._last_busy = 0
         self._since: list[float | None] = [None] * self.num_stages
         self.closed = False
-        self._created_at = time.monotonic()
         self._serving = False  # vLLM's start-up is over: forwards need the FFN role
         self._peers = threading.Event()  # connected, or lost (then _lost says why)
 
@@ -82,19 +81,6 @@ class AttentionSession:
 
     def connected(self) -> None:
         self._peers.set()
-
-    def status(self) -> dict:
-        """For ``/health``: this rank can serve only while connected to its FFN role."""
-        c = self.config
-        with self._lock:
-            lost = self._lost
-        if lost is not None:
-            return {"state": "failed", "connected": False, "error": lost}
-        if not self._peers.is_set():
-            return {"state": "waiting", "connected": False,
-                    "waiting_s": round(time.monotonic() - self._created_at, 1),
-                    "reason": f"waiting for the FFN role at {c.host}:{c.port}"}
-        return {"state": "serving", "connected": True, "steps": self.step}
 
     def activate(self) -> None:
         global _current

@@ -93,15 +93,13 @@ class Server:
             return ""
         return "\n".join(text[-lines:])
 
-    def wait_ready(self, timeout_s: float = 300, progress=None, others=(),
-                   status: int = 200) -> None:
-        """Until /health answers ``status`` (503: up, but an attention role still waiting for
-        its FFN role). Raises with the log tail if the server (or one of ``others``, e.g. its
-        AFD peer) exits first or the time runs out."""
+    def wait_ready(self, timeout_s: float = 300, progress=None, others=()) -> None:
+        """Until /health is 200. Raises with the log tail if the server (or one of ``others``,
+        e.g. its AFD peer) exits first or the time runs out."""
         start = time.monotonic()
         last = start
         while True:
-            if self.health() == status:
+            if self.health() == 200:
                 return
             for server in (self, *others):
                 if server.exited():

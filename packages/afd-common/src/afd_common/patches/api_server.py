@@ -1,12 +1,10 @@
-"""The roles' HTTP front ends: the AFD series on ``/metrics``, an honest ``/health`` for both
-roles, and for the FFN role a clear refusal of generation requests.
+"""The roles' HTTP front ends: the AFD series on ``/metrics``; for the FFN role a clear refusal
+of generation requests and an honest ``/health``.
 
-vLLM's own ``/health`` asks only whether the engine process is alive. The FFN role is healthy
-when its FFN loop is, and the attention role only while connected to its FFN role (it starts
-without it and waits, and a request sent meanwhile would wait too): ``/health`` asks every worker
-of every engine (``afd_ffn_status`` / ``afd_attention_status``) and answers 503 with the reason in
-JSON otherwise. Installed by wrapping ``init_entrypoints_middleware``, which ``build_app`` looks
-up at call time.
+vLLM's own ``/health`` asks only whether the engine process is alive; the FFN role is healthy
+when its FFN loop is, so ``/health`` asks every worker of every engine
+(``afd_ffn_status``). Installed by wrapping
+``init_entrypoints_middleware``, which ``build_app`` looks up at call time.
 """
 
 from __future__ import annotations
@@ -55,32 +53,6 @@ def add_ffn_guard(app) -> None:
                                        "code": 400}}, status_code=400)
 
     app.middleware("http")(afd_ffn_guard)
-
-
-def add_attention_health(app) -> None:
-    from fastapi.responses import JSONResponse
-
-    async def afd_attention_health(request, call_next):
-        if request.url.path != "/health":
-            return await call_next(request)
-        response = await call_next(request)  # vLLM's: is the engine alive
-        if response.status_code != 200:
-            return response
-        try:
-            states = await ask_workers(request.app.state.engine_client, "afd_attention_status")
-        except Exception as e:  # noqa: BLE001 - e.g. a worker blocked in a step: not healthy
-            return JSONResponse({"afd_role": "attention", "healthy": False,
-                                 "reason": f"the workers did not answer: {e!r}"},
-                                status_code=503)
-        if states and all(s.get("connected") for s in states):
-            return response
-        waiting = [s for s in states if not s.get("connected")]
-        reason = (waiting[0].get("reason") or waiting[0].get("error")
-                  or waiting[0].get("state")) if waiting else "no workers"
-        return JSONResponse({"afd_role": "attention", "healthy": False, "reason": reason,
-                             "ranks": states}, status_code=503)
-
-    app.middleware("http")(afd_attention_health)
 
 
 async def ask_workers(engine_client, method: str) -> list:
@@ -148,8 +120,6 @@ def build() -> PatchSet | None:
             return
         if parse_afd_config(section).is_ffn:
             add_ffn_guard(app)
-        else:
-            add_attention_health(app)
         add_metrics(app)
 
     return PatchSet("api_server").setattr(app_module, "init_entrypoints_middleware",
