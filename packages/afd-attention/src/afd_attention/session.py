@@ -76,8 +76,13 @@ class AttentionSession:
         self._peers = threading.Event()  # connected, or lost (then _lost says why)
 
     def startup_done(self) -> None:
-        """vLLM finished its start-up forwards; from now on every forward is a step."""
-        self._serving = True
+        """vLLM finished its start-up forwards; from now on every forward is a step. A connection
+        that failed meanwhile fails the start-up here, through vLLM's own path for a worker that
+        cannot start (ending the worker from outside mid-start-up leaves the server hanging)."""
+        with self._lock:
+            self._serving = True
+            if self._lost is not None:
+                raise AFDPeerError(self._lost)
 
     def connected(self) -> None:
         self._peers.set()
@@ -166,12 +171,13 @@ class AttentionSession:
         return (topk_ids.new_empty(0, k), topk_weights.new_empty(0, k))
 
     def peer_lost(self, reason: str) -> bool:
-        """Record that the FFN role is gone; no step starts after this. True when no step is
-        running, so nothing will raise by itself and the caller must end the worker."""
+        """Record that the FFN role is gone; no step starts after this. True when nothing will
+        raise by itself (no step is running, and vLLM's start-up is over: ``startup_done``
+        raises), so the caller must end the worker."""
         with self._lock:
             self._lost = reason
             self._peers.set()  # a step waiting for the connection raises
-            return not self._in_step
+            return self._serving and not self._in_step
 
     def close(self) -> None:
         global _current

@@ -9,10 +9,9 @@ server-wide, and depends on how the peer ended:
 * After a failure (a lost or mismatched peer, a timeout) the worker marks the root failed and
   ends itself. vLLM's worker monitor then fails the engine: in-flight requests get an error
   response (a SIGTERM would instead wait for them forever), ``/health`` answers 503, and vLLM's
-  watchdog stops the server. Either role can fail while vLLM is still starting (the FFN role
-  connects in a thread after loading, the attention role while vLLM runs its start-up forwards),
-  where neither the watchdog nor every SIGTERM takes effect, so the root also stops itself,
-  repeating SIGTERM until it goes. ``vllm serve`` then exits with ``FAILED_EXIT_CODE``. An attention worker in the middle
+  watchdog stops the server. An FFN role can fail while vLLM is still starting, where neither the
+  watchdog nor every SIGTERM takes effect, so its root also stops itself, repeating SIGTERM until
+  it goes. ``vllm serve`` then exits with ``FAILED_EXIT_CODE``. An attention worker in the middle
   of a step is not ended from outside: the step's own receive raises, with the same outcome.
 
 The reason is logged first, so it is what an operator reads last.
@@ -91,23 +90,25 @@ def exit_worker() -> None:
     os._exit(FAILED_EXIT_CODE)
 
 
-def install_root_failure_handler() -> None:
-    """In the server root's main thread: on a worker's failure report, stop the server and exit
-    with ``FAILED_EXIT_CODE`` once vLLM's own shutdown has run (it would otherwise exit 0)."""
+def install_root_failure_handler(*, stop: bool) -> None:
+    """In the server root's main thread: on a worker's failure report, exit with
+    ``FAILED_EXIT_CODE`` once vLLM's own shutdown has run (it would otherwise exit 0) and, with
+    ``stop`` (the FFN role, which may fail while vLLM is still starting), also stop the server."""
     if os.getpid() != int(os.environ.get(SERVER_PID_ENV, "0") or 0):
         return
     if threading.current_thread() is not threading.main_thread():
         return
-    signal.signal(FAILED_SIGNAL, lambda signum, frame: _on_failed())
+    signal.signal(FAILED_SIGNAL, lambda signum, frame: _on_failed(stop))
 
 
-def _on_failed() -> None:
+def _on_failed(stop: bool) -> None:
     global _root_failed
     if _root_failed:
         return
     _root_failed = True
     atexit.register(_exit_failed)
-    threading.Thread(target=_keep_stopping, daemon=True, name="afd-stop").start()
+    if stop:
+        threading.Thread(target=_keep_stopping, daemon=True, name="afd-stop").start()
 
 
 def _keep_stopping() -> None:
