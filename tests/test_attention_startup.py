@@ -103,15 +103,15 @@ def test_a_failed_connection_fails_the_waiting_step_the_start_up_or_asks_to_end_
     t.start()
     time.sleep(0.3)
     # A step is waiting: it raises by itself, so the caller must not end the worker.
-    assert s.peer_lost("could not connect: refused") is False
+    assert s.peer_lost("could not connect: refused") == "in_step"
     t.join(5)
     assert errors == ["could not connect: refused"] and conn.calls == []
     starting, _ = session()  # vLLM still starting: its start-up fails at the end, by itself
-    assert starting.peer_lost("refused: 'num_layers' differs") is False
+    assert starting.peer_lost("refused: 'num_layers' differs") == "starting"
     with pytest.raises(AFDPeerError, match="num_layers"):
         starting.startup_done()
     idle, _ = session()
     idle.startup_done()
-    assert idle.peer_lost("gone") is True  # nothing would raise: the caller ends the worker
+    assert idle.peer_lost("gone") == "idle"  # nothing would raise: the caller ends the worker
     with pytest.raises(AFDPeerError, match="gone"):
         forward(idle)

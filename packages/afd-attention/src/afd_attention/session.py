@@ -170,14 +170,17 @@ class AttentionSession:
         k = topk_ids.shape[1]
         return (topk_ids.new_empty(0, k), topk_weights.new_empty(0, k))
 
-    def peer_lost(self, reason: str) -> bool:
-        """Record that the FFN role is gone; no step starts after this. True when nothing will
-        raise by itself (no step is running, and vLLM's start-up is over: ``startup_done``
-        raises), so the caller must end the worker."""
+    def peer_lost(self, reason: str) -> str:
+        """Record that the FFN role is gone; no step starts after this. Says who must act:
+        "starting" (vLLM's start-up will fail with it: ``startup_done`` raises), "in_step" (the
+        running step raises by itself) or "idle" (nothing would raise: the caller must end the
+        worker)."""
         with self._lock:
             self._lost = reason
             self._peers.set()  # a step waiting for the connection raises
-            return self._serving and not self._in_step
+            if not self._serving:
+                return "starting"
+            return "in_step" if self._in_step else "idle"
 
     def close(self) -> None:
         global _current
