@@ -88,7 +88,7 @@ def test_the_first_step_after_start_up_waits_for_the_connection():
     assert conn.calls[-4][:2] == ("step", 1)
 
 
-def test_a_failed_connection_fails_the_waiting_step_and_an_idle_one_asks_to_end():
+def test_a_failed_connection_fails_the_waiting_step_the_start_up_or_asks_to_end_the_worker():
     s, conn = session()
     s.startup_done()
     errors: list = []
@@ -103,10 +103,15 @@ def test_a_failed_connection_fails_the_waiting_step_and_an_idle_one_asks_to_end(
     t.start()
     time.sleep(0.3)
     # A step is waiting: it raises by itself, so the caller must not end the worker.
-    assert s.peer_lost("could not connect: refused") is False
+    assert s.peer_lost("could not connect: refused") == "in_step"
     t.join(5)
     assert errors == ["could not connect: refused"] and conn.calls == []
+    starting, _ = session()  # vLLM still starting: its start-up fails at the end, by itself
+    assert starting.peer_lost("refused: 'num_layers' differs") == "starting"
+    with pytest.raises(AFDPeerError, match="num_layers"):
+        starting.startup_done()
     idle, _ = session()
-    assert idle.peer_lost("gone") is True  # nothing would raise: the caller ends the worker
+    idle.startup_done()
+    assert idle.peer_lost("gone") == "idle"  # nothing would raise: the caller ends the worker
     with pytest.raises(AFDPeerError, match="gone"):
-        idle.startup_done() or forward(idle)
+        forward(idle)

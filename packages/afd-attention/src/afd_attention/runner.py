@@ -83,11 +83,17 @@ class AFDAttentionRunnerMixin:
                          name=f"afd-connect-{rank}", daemon=True).start()
 
     def _afd_connect_thread(self, connector, session: AttentionSession, rank: int) -> None:
-        def on_lost(reason: str) -> None:
-            reason = f"attention rank {rank}: the FFN role is gone ({reason})"
+        def fail(reason: str) -> None:
+            where = session.peer_lost(reason)
+            if where == "starting":  # vLLM's own start-up failure path ends the server
+                logger.error("AFD: %s -- vLLM's start-up ends with it", reason)
+                return
             lifecycle.mark_failed(reason)
-            if session.peer_lost(reason):
+            if where == "idle":
                 lifecycle.exit_worker()
+
+        def on_lost(reason: str) -> None:
+            fail(f"attention rank {rank}: the FFN role is gone ({reason})")
 
         try:
             enter_model_thread(self.vllm_config, self.device)
@@ -97,10 +103,7 @@ class AFDAttentionRunnerMixin:
                 return
             if not isinstance(e, AFDError):
                 logger.exception("AFD attention rank %d: unexpected error connecting", rank)
-            reason = f"attention rank {rank}: could not connect to the FFN role: {e}"
-            lifecycle.mark_failed(reason)
-            if session.peer_lost(reason):
-                lifecycle.exit_worker()
+            fail(f"attention rank {rank}: could not connect to the FFN role: {e}")
             return
         connector.watch_peers(on_lost)
         session.connected()

@@ -76,8 +76,13 @@ class AttentionSession:
         self._peers = threading.Event()  # connected, or lost (then _lost says why)
 
     def startup_done(self) -> None:
-        """vLLM finished its start-up forwards; from now on every forward is a step."""
-        self._serving = True
+        """vLLM finished its start-up forwards; from now on every forward is a step. A connection
+        that failed meanwhile fails the start-up here, through vLLM's own path for a worker that
+        cannot start (ending the worker from outside mid-start-up leaves the server hanging)."""
+        with self._lock:
+            self._serving = True
+            if self._lost is not None:
+                raise AFDPeerError(self._lost)
 
     def connected(self) -> None:
         self._peers.set()
@@ -165,13 +170,17 @@ class AttentionSession:
         k = topk_ids.shape[1]
         return (topk_ids.new_empty(0, k), topk_weights.new_empty(0, k))
 
-    def peer_lost(self, reason: str) -> bool:
-        """Record that the FFN role is gone; no step starts after this. True when no step is
-        running, so nothing will raise by itself and the caller must end the worker."""
+    def peer_lost(self, reason: str) -> str:
+        """Record that the FFN role is gone; no step starts after this. Says who must act:
+        "starting" (vLLM's start-up will fail with it: ``startup_done`` raises), "in_step" (the
+        running step raises by itself) or "idle" (nothing would raise: the caller must end the
+        worker)."""
         with self._lock:
             self._lost = reason
             self._peers.set()  # a step waiting for the connection raises
-            return not self._in_step
+            if not self._serving:
+                return "starting"
+            return "in_step" if self._in_step else "idle"
 
     def close(self) -> None:
         global _current

@@ -7,9 +7,11 @@ what must happen is server-wide:
 * The worker marks the server's root process (the first vLLM process, recorded by the plugin)
   failed and ends itself. vLLM's worker monitor then fails the engine: in-flight requests get an
   error response (a SIGTERM would instead wait for them forever), ``/health`` answers 503, and
-  vLLM's watchdog stops the server. An FFN role can fail while vLLM is still starting, where neither the
-  watchdog nor every SIGTERM takes effect, so its root also stops itself, repeating SIGTERM until
-  it goes. ``vllm serve`` then exits with ``FAILED_EXIT_CODE``. An attention worker in the middle
+  vLLM's watchdog stops the server. A role can fail after its engine started but before its HTTP
+  server did, where neither the watchdog nor every SIGTERM takes effect, so the root also stops
+  itself when vLLM has not within a few seconds, repeating SIGTERM until it goes. (An attention
+  role whose connection fails while vLLM is still starting fails the start-up itself.)
+  ``vllm serve`` then exits with ``FAILED_EXIT_CODE``. An attention worker in the middle
   of a step is not ended from outside: the step's own receive raises, with the same outcome.
 
 The reason is logged first, so it is what an operator reads last.
@@ -74,32 +76,33 @@ def exit_worker() -> None:
     os._exit(FAILED_EXIT_CODE)
 
 
-def install_root_failure_handler(*, stop: bool) -> None:
+def install_root_failure_handler() -> None:
     """In the server root's main thread: on a worker's failure report, exit with
-    ``FAILED_EXIT_CODE`` once vLLM's own shutdown has run (it would otherwise exit 0) and, with
-    ``stop`` (the FFN role, which may fail while vLLM is still starting), also stop the server."""
+    ``FAILED_EXIT_CODE`` once vLLM's own shutdown has run (it would otherwise exit 0) and, if
+    vLLM does not stop by itself within ``STOP_RETRY_S`` (a failure between the engine's start
+    and the HTTP server's, where vLLM's watchdog does not run yet), stop the server."""
     if os.getpid() != int(os.environ.get(SERVER_PID_ENV, "0") or 0):
         return
     if threading.current_thread() is not threading.main_thread():
         return
-    signal.signal(FAILED_SIGNAL, lambda signum, frame: _on_failed(stop))
+    signal.signal(FAILED_SIGNAL, lambda signum, frame: _on_failed())
 
 
-def _on_failed(stop: bool) -> None:
+def _on_failed() -> None:
     global _root_failed
     if _root_failed:
         return
     _root_failed = True
     atexit.register(_exit_failed)
-    if stop:
-        threading.Thread(target=_keep_stopping, daemon=True, name="afd-stop").start()
+    threading.Thread(target=_keep_stopping, daemon=True, name="afd-stop").start()
 
 
 def _keep_stopping() -> None:
-    # vLLM swallows a SIGTERM that lands at some points of its start-up; repeat until it takes.
+    # First give vLLM's own dead-engine watchdog its chance (it stops a serving server within
+    # seconds); vLLM swallows a SIGTERM that lands at some points of its start-up, so repeat.
     while True:
-        os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(STOP_RETRY_S)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _exit_failed() -> None:

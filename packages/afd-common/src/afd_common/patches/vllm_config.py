@@ -78,7 +78,7 @@ def before(vllm_config, afd: AFDConfig) -> None:
         parallel.worker_cls = worker
     # Our runners extend vLLM's V1 model runner.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    lifecycle.install_root_failure_handler(stop=afd.is_ffn)
+    lifecycle.install_root_failure_handler()
     # The role package's own config-time changes (e.g. async DP's engine patch), found through
     # its entry point so this package never imports a role.
     for hook in entry_points(group="afd.vllm_config", name=afd.role):
