@@ -12,7 +12,8 @@ server-wide, and depends on how the peer ended:
   watchdog stops the server. A role can fail after its engine started but before its HTTP server
   did, where neither the watchdog nor every SIGTERM takes effect, so the root also stops itself
   when vLLM has not within a few seconds, repeating SIGTERM until it goes. (An attention role
-  whose connection fails while vLLM is still starting fails the start-up itself.) ``vllm serve`` then exits with ``FAILED_EXIT_CODE``. An attention worker in the middle
+  whose connection fails while vLLM is still starting fails the start-up itself.) ``vllm serve``
+  then exits with ``FAILED_EXIT_CODE``. An attention worker in the middle
   of a step is not ended from outside: the step's own receive raises, with the same outcome.
 
 The reason is logged first, so it is what an operator reads last.
