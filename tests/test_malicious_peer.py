@@ -152,7 +152,8 @@ def _call(layer: int):
 ATTACKS = [("P2pAFDConnector", "huge_step", "announced 1099511627775 tokens"),
            ("P2pAFDConnector", "expert_id", "routes to expert id 13, outside [0, 8)"),
            ("CAMP2pAFDConnector", "huge_step", "announced 1099511627775 tokens"),
-           ("CAMAsyncAFDConnector", "layer", "attention rank 0: layer index 999 is not an MoE layer")]
+           ("CAMAsyncAFDConnector", "layer",
+            "attention rank 0: layer index 999 is not an MoE layer")]
 
 
 @pytest.mark.multiproc

@@ -215,7 +215,8 @@ def role_servers(role: str, name: str, model: Path, logs: Path, ranks: int, args
             dp += ["--headless", "--data-parallel-start-rank", str(r)]
         out.append(Server(f"{name}-{role}{r}", str(model), free_port(),
                           logs / f"{name}-{role}{r}.log", args=args + dp,
-                          env={**env, **hosts.env(h, ranks > 1)}, cores=cores[r], host=hosts.address(h),
+                          env={**env, **hosts.env(h, ranks > 1)}, cores=cores[r],
+                          host=hosts.address(h),
                           wrap=hosts.wrap(h),
                           common_args=list(HEADLESS_COMMON_ARGS if r else COMMON_ARGS)))
     return out

@@ -63,7 +63,8 @@ class AFDAttentionRunnerMixin:
         connector = resolve_connector(config.connector, "attention")(config, rank, shape,
                                                                      self.device)
         logger.info("AFD attention rank %d: %s connecting to the FFN role at %s:%d (%d MoE "
-                    "layers, gate on %s); vLLM starts up meanwhile", rank, config.connector, config.host, config.port,
+                    "layers, gate on %s); vLLM starts up meanwhile", rank, config.connector,
+                    config.host, config.port,
                     len(shape.moe_layers),
                     "attention" if config.compute_gate_on_attention else "FFN")
         if async_dp_enabled(config):
