@@ -81,8 +81,7 @@ class AttentionSession:
         cannot start (ending the worker from outside mid-start-up leaves the server hanging)."""
         with self._lock:
             self._serving = True
-            if self._lost is not None:
-                raise AFDPeerError(self._lost)
+            self._raise_if_lost()
 
     def connected(self) -> None:
         self._peers.set()
@@ -141,8 +140,7 @@ class AttentionSession:
 
     def _begin_step(self, rows: int) -> None:
         with self._lock:
-            if self._lost is not None:
-                raise AFDPeerError(self._lost)
+            self._raise_if_lost()
             self._in_step = True
         if not self._peers.is_set():
             self._wait_for_peers()
@@ -158,8 +156,12 @@ class AttentionSession:
                         "connect_timeout_s %s)", self.step, c.host, c.port,
                         time.monotonic() - start, c.extra.connect_timeout_s or "unset")
         with self._lock:
-            if self._lost is not None:
-                raise AFDPeerError(self._lost)
+            self._raise_if_lost()
+
+    def _raise_if_lost(self) -> None:
+        """Under ``_lock``: the one place a recorded loss becomes the caller's error."""
+        if self._lost is not None:
+            raise AFDPeerError(self._lost)
 
     def _empty_rows(self, like: torch.Tensor) -> tuple[torch.Tensor]:
         return (like.new_empty(0, like.shape[1]),)
