@@ -57,6 +57,10 @@ MALFORMED = [
      with_(connector_extra_config={"timeout_s": float("inf")})),
     ("connector_extra_config.connect_timeout_s",
      with_(connector_extra_config={"connect_timeout_s": -1})),
+    ("connector_extra_config.reconnect_timeout_s",
+     with_(connector_extra_config={"reconnect_timeout_s": -0.5})),
+    ("connector_extra_config.reconnect_timeout_s",
+     with_(connector_extra_config={"reconnect_timeout_s": True})),
     ("connector_extra_config.num_micro_batches",
      with_(connector_extra_config={"num_micro_batches": 0})),
     ("connector_extra_config.auth_token", with_(connector_extra_config={"auth_token": ""})),
@@ -105,6 +109,12 @@ def test_waiting_for_the_peer_is_unbounded_unless_connect_timeout_s_is_set():
     assert cfg.extra.connect_timeout_s == 90
 
 
+def test_the_attention_role_waits_120_s_for_a_lost_ffn_role_unless_told_otherwise():
+    assert parse_afd_config(GOOD).extra.reconnect_timeout_s == 120
+    cfg = parse_afd_config(with_(connector_extra_config={"reconnect_timeout_s": 0}))
+    assert cfg.extra.reconnect_timeout_s == 0  # today's fail-fast
+
+
 def test_auth_token_from_env_is_not_in_repr(monkeypatch):
     monkeypatch.setenv(AUTH_TOKEN_ENV, "s3cret-token")
     cfg = parse_afd_config(GOOD)
@@ -136,7 +146,7 @@ json_values = st.recursive(json_scalars, lambda inner: st.one_of(
     max_leaves=6)
 key_names = st.one_of(st.sampled_from(KEYS + tuple(ALIASES)), st.text(max_size=10))
 extra_keys = st.sampled_from(["backend", "timeout_s", "connect_timeout_s", "first_step_timeout_s",
-                              "step_timeout_s",
+                              "step_timeout_s", "reconnect_timeout_s",
                               "num_micro_batches", "auth_token", "ops_backend", "x"])
 plausible = st.fixed_dictionaries(
     {"role": st.sampled_from(["attention", "ffn", "FFN", "", 1])},

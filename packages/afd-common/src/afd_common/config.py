@@ -31,6 +31,7 @@ DEFAULT_CONNECTOR = "P2pAFDConnector"
 DEFAULT_PORT = 29600
 DEFAULT_FIRST_STEP_TIMEOUT_S = 300.0
 DEFAULT_STEP_TIMEOUT_S = 60.0
+DEFAULT_RECONNECT_TIMEOUT_S = 120.0
 AUTH_TOKEN_ENV = "AFD_AUTH_TOKEN"
 
 
@@ -57,6 +58,15 @@ def _check_positive_seconds(name: str, value: Any) -> float:
     return float(value)
 
 
+def _check_seconds(name: str, value: Any) -> float:
+    """A finite number of seconds >= 0 (0 switches the wait off)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AFDConfigError(name, value, "must be a number of seconds")
+    if not math.isfinite(value) or value < 0:
+        raise AFDConfigError(name, value, "must be a finite number of seconds >= 0")
+    return float(value)
+
+
 def _check_str(name: str, value: Any, choices: tuple[str, ...] | None = None) -> str:
     if not isinstance(value, str):
         raise AFDConfigError(name, value, "must be a string")
@@ -80,6 +90,9 @@ class ExtraConfig:
     # it takes (a checkpoint may load for an hour), with progress in the log.
     connect_timeout_s: float | None = None
     first_step_timeout_s: float = DEFAULT_FIRST_STEP_TIMEOUT_S
+    # How long the attention role waits for an FFN role to come back after losing it, its
+    # server up and its requests kept; 0: fail at once (in-flight requests get errors).
+    reconnect_timeout_s: float = DEFAULT_RECONNECT_TIMEOUT_S
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     num_micro_batches: int = 1
     auth_token: str | None = field(default=None, repr=False)
@@ -112,6 +125,8 @@ def parse_extra_config(raw: Any, connector_keys: frozenset[str] = frozenset()) -
             kwargs["connect_timeout_s"] = _check_positive_seconds(fname, value)
         elif key == "first_step_timeout_s":
             kwargs["first_step_timeout_s"] = _check_positive_seconds(fname, value)
+        elif key == "reconnect_timeout_s":
+            kwargs["reconnect_timeout_s"] = _check_seconds(fname, value)
         elif key == "step_timeout_s":
             kwargs["step_timeout_s"] = _check_positive_seconds(fname, value)
         elif key == "num_micro_batches":
@@ -127,7 +142,8 @@ def parse_extra_config(raw: Any, connector_keys: frozenset[str] = frozenset()) -
             other[key] = value
         else:
             known = sorted({"backend", "timeout_s", "connect_timeout_s", "first_step_timeout_s",
-                            "step_timeout_s", "num_micro_batches", "auth_token", "ops_backend"}
+                            "reconnect_timeout_s", "step_timeout_s", "num_micro_batches",
+                            "auth_token", "ops_backend"}
                            | connector_keys)
             raise AFDConfigError(fname, value, f"unknown key; known keys: {', '.join(known)}")
     if "auth_token" not in kwargs and os.environ.get(AUTH_TOKEN_ENV):

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from afd_common import role_status
 from afd_common.plugin import SERVER_PID_ENV
 
 logger = logging.getLogger("vllm.afd")
@@ -40,6 +41,7 @@ STOP_RETRY_S = 5.0
 _lock = threading.Lock()
 _failed = False
 _root_failed = False
+_root_installed = False
 
 
 def _root_pid() -> int:
@@ -85,6 +87,12 @@ def install_root_failure_handler() -> None:
         return
     if threading.current_thread() is not threading.main_thread():
         return
+    global _root_installed
+    if _root_installed:
+        return
+    _root_installed = True
+    role_status.remove_all()  # a reused process id's, if any
+    atexit.register(role_status.remove_all)
     signal.signal(FAILED_SIGNAL, lambda signum, frame: _on_failed())
 
 
@@ -107,6 +115,7 @@ def _keep_stopping() -> None:
 
 def _exit_failed() -> None:
     # Registered last, so it runs first among atexit handlers, after vLLM stopped its engine.
+    role_status.remove_all()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(FAILED_EXIT_CODE)

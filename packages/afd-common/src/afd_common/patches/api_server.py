@@ -1,10 +1,11 @@
-"""The roles' HTTP front ends: the AFD series on ``/metrics``; for the FFN role a clear refusal
-of generation requests and an honest ``/health``.
+"""The roles' HTTP front ends: the AFD series on ``/metrics``, an honest ``/health``, and for
+the FFN role a clear refusal of generation requests.
 
-vLLM's own ``/health`` asks only whether the engine process is alive; the FFN role is healthy
-when its FFN loop is, so ``/health`` asks every worker of every engine
-(``afd_ffn_status``). Installed by wrapping
-``init_entrypoints_middleware``, which ``build_app`` looks up at call time.
+vLLM's own ``/health`` asks only whether the engine process is alive. The FFN role is healthy
+when its FFN loop is, so its ``/health`` asks every worker of every engine (``afd_ffn_status``).
+The attention role is not healthy while a rank waits for an FFN role to come back: its
+``/health`` answers 503 with the reason the waiting workers left (afd_common.role_status).
+Installed by wrapping ``init_entrypoints_middleware``, which ``build_app`` looks up at call time.
 """
 
 from __future__ import annotations
@@ -53,6 +54,25 @@ def add_ffn_guard(app) -> None:
                                        "code": 400}}, status_code=400)
 
     app.middleware("http")(afd_ffn_guard)
+
+
+def add_attention_health(app) -> None:
+    from fastapi.responses import JSONResponse
+
+    from afd_common import role_status
+
+    async def afd_attention_health(request, call_next):
+        if request.url.path != "/health":
+            return await call_next(request)
+        waiting = role_status.waiting()
+        if not waiting:
+            return await call_next(request)
+        return JSONResponse({"afd_role": "attention", "healthy": False,
+                             "reason": "waiting for an FFN role to come back; requests in "
+                                       "flight resume when it does", "ranks": waiting},
+                            status_code=503)
+
+    app.middleware("http")(afd_attention_health)
 
 
 async def ask_workers(engine_client, method: str) -> list:
@@ -120,6 +140,8 @@ def build() -> PatchSet | None:
             return
         if parse_afd_config(section).is_ffn:
             add_ffn_guard(app)
+        else:
+            add_attention_health(app)
         add_metrics(app)
 
     return PatchSet("api_server").setattr(app_module, "init_entrypoints_middleware",

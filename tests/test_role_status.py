@@ -1,0 +1,48 @@
+"""The attention role's ``/health`` says 503, and why, while a rank waits for an FFN role: read
+from the files the waiting workers leave, so probing never wakes a worker."""
+
+from __future__ import annotations
+
+import tempfile
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from afd_common import role_status
+from afd_common.patches.api_server import add_attention_health
+from afd_common.plugin import SERVER_PID_ENV
+
+
+def test_health_is_503_with_the_reason_while_a_rank_waits_and_vllms_own_otherwise(
+        monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv(SERVER_PID_ENV, "31337")
+    app = FastAPI()
+    app.get("/health")(lambda: {"vllm": "ok"})
+    app.get("/v1/models")(lambda: {"data": []})
+    add_attention_health(app)
+    client = TestClient(app)
+    assert client.get("/health").json() == {"vllm": "ok"}
+
+    role_status.set_waiting(1, {"rank": 1, "reason": "attention rank 1: the FFN role is gone",
+                                "lost_at": 0.0, "reconnect_timeout_s": 120.0})
+    r = client.get("/health")
+    assert r.status_code == 503
+    body = r.json()
+    assert body["afd_role"] == "attention" and body["healthy"] is False
+    assert "waiting for an FFN role" in body["reason"]
+    assert body["ranks"][0]["reason"] == "attention rank 1: the FFN role is gone"
+    assert client.get("/v1/models").status_code == 200  # other paths are vLLM's
+
+    role_status.clear(1)
+    assert client.get("/health").status_code == 200
+    role_status.set_waiting(0, {"rank": 0})
+    role_status.remove_all()  # the server root at exit
+    assert not (tmp_path / "afd-status-31337").exists()
+    assert client.get("/health").status_code == 200
+
+
+def test_no_server_root_means_no_status_files(monkeypatch):
+    monkeypatch.delenv(SERVER_PID_ENV, raising=False)
+    role_status.set_waiting(0, {"rank": 0})  # outside a vLLM server: nothing to tell
+    assert role_status.waiting() == []
