@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import threading
 import time
 
 import torch
@@ -19,9 +18,7 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.worker.ubatch_utils import UBatchSlice
 
 from afd_common.config import afd_config_from_vllm
-from afd_common.errors import AFDError
 from afd_common.models import check_router
-from afd_common import lifecycle
 from afd_common.registry import resolve_connector
 from afd_common.model_thread import enter_model_thread
 from afd_common.patches import moe_parallel
@@ -70,47 +67,23 @@ class AFDAttentionRunnerMixin:
         if async_dp_enabled(config):
             self._afd_patches = async_dp_forward_context.build()
             self._afd_patches.install()
-        session = self.afd_session = AttentionSession(config, connector)
+        vllm_config, device = self.vllm_config, self.device
+
+        def new_connector(cfg):  # each later FFN world's (the session rides through a loss)
+            return resolve_connector(cfg.connector, "attention")(cfg, rank, shape, device)
+
+        session = self.afd_session = AttentionSession(
+            config, connector, rank, new_connector,
+            thread_setup=lambda: enter_model_thread(vllm_config, device))
         session.activate()
         if config.extra.num_micro_batches > 1:
-            vllm_config, device = self.vllm_config, self.device
             self._afd_pipeline = MicroBatchPipeline(
                 config.extra.num_micro_batches,
                 thread_setup=lambda: enter_model_thread(vllm_config, device))
             self._afd_splits_seen: set[int] = set()
         # vLLM's start-up goes on meanwhile: it must not wait for a role that may take longer
         # to load than vLLM waits for its engine (afd_attention.session).
-        threading.Thread(target=self._afd_connect_thread, args=(connector, session, rank),
-                         name=f"afd-connect-{rank}", daemon=True).start()
-
-    def _afd_connect_thread(self, connector, session: AttentionSession, rank: int) -> None:
-        def fail(reason: str) -> None:
-            where = session.peer_lost(reason)
-            if where == "starting":  # vLLM's own start-up failure path ends the server
-                logger.error("AFD: %s -- vLLM's start-up ends with it", reason)
-                return
-            lifecycle.mark_failed(reason)
-            if where == "idle":
-                lifecycle.exit_worker()
-
-        def on_lost(reason: str) -> None:
-            fail(f"attention rank {rank}: the FFN role is gone ({reason})")
-
-        try:
-            enter_model_thread(self.vllm_config, self.device)
-            connector.init()
-        except BaseException as e:  # noqa: BLE001 - the role cannot serve: end it, saying why
-            if session.closed:  # stopped before the FFN role turned up: nothing failed
-                return
-            if not isinstance(e, AFDError):
-                logger.exception("AFD attention rank %d: unexpected error connecting", rank)
-            fail(f"attention rank {rank}: could not connect to the FFN role: {e}")
-            return
-        connector.watch_peers(on_lost)
-        session.connected()
-        n = session.num_stages
-        logger.info("AFD attention rank %d: connected (%d micro-batch%s per step)", rank, n,
-                    "" if n == 1 else "es")
+        session.start_connecting()
 
     def afd_startup_done(self) -> None:
         if self.afd_session is not None:
@@ -163,13 +136,20 @@ class AFDAttentionRunnerMixin:
         session = self.afd_session
         split, self._afd_split = self._afd_split, None
         start = time.perf_counter()
-        try:
+        forward = super()._model_forward
+
+        def run():
             if split is None:
                 session.stage_started(0)
-                return super()._model_forward(input_ids, positions, intermediate_tensors,
-                                              inputs_embeds, **model_kwargs)
+                return forward(input_ids, positions, intermediate_tensors, inputs_embeds,
+                               **model_kwargs)
             return self._afd_split_forward(split, input_ids, positions, intermediate_tensors,
                                            inputs_embeds, model_kwargs)
+
+        try:
+            # Run again from its start if the FFN role is lost meanwhile and another comes back:
+            # the inputs are unchanged and the KV cache is written to the same slots.
+            return session.run_forward(run)
         finally:
             session.metrics.step(time.perf_counter() - start)
 

@@ -10,8 +10,15 @@ run before it has, with the routed experts' output zeros -- the same on every at
 the FFN side's first step is everyone's first real one. A step that finds the FFN role not
 connected yet waits for it (progress in the log; ``connect_timeout_s`` bounds it).
 
-The session also knows whether a step is running when the FFN role is lost: a running step fails
-by itself (its receive raises), so only an idle worker must be ended from outside
+When the FFN role is lost after start-up, the session rides through it (``reconnect_timeout_s``,
+0 switches it off): it closes the lost world once no step uses it, connects a new connector to
+whichever FFN role turns up (a restarted one, or the same one after a network fault), and the
+interrupted forward runs again from its start (``run_forward``). A forward is a pure function of
+its inputs and of the KV cache it writes to fixed slots, so the re-run gives the tokens the
+uninterrupted one would have. Meanwhile ``/health`` answers 503 (afd_common.role_status).
+
+Without a ride-through (or past its bound) the role ends as before: a running step fails by
+itself (its receive raises), so only an idle worker must be ended from outside
 (afd_common.lifecycle).
 """
 
@@ -20,14 +27,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
-from afd_common import metrics
+from afd_common import lifecycle, metrics, role_status
 from afd_common.config import AFDConfig
 from afd_common.contract import AttentionConnector
-from afd_common.errors import AFDError, AFDPeerError
-from afd_common.lifecycle import mark_failed
+from afd_common.errors import AFDError, AFDHandshakeError, AFDPeerError
 from afd_common.metadata import LayerCall, StepKind, StepMetadata
 from afd_common.transport import CONNECT_PROGRESS_EVERY_S
 from afd_common.vllm_model import layer_index
@@ -37,6 +44,17 @@ from afd_attention import micro_batches
 logger = logging.getLogger("vllm.afd")
 
 _current: AttentionSession | None = None
+
+#: Runs of one forward that the loss of an FFN role may interrupt before the forward fails: a
+#: step that takes its FFN role down every time must not cycle through restarts forever.
+MAX_RUNS_PER_FORWARD = 3
+#: Between attempts to reach a returning FFN role whose world could not form yet.
+RETRY_PAUSE_S = 1.0
+
+
+class StepInterrupted(AFDPeerError):
+    """The FFN role was lost during this forward; it runs again from its start once an FFN role
+    is back (``AttentionSession.run_forward``)."""
 
 
 def current() -> AttentionSession:
@@ -55,25 +73,177 @@ class AttentionSession:
     every stage of every layer the same way whatever each attention rank's split.
     """
 
-    def __init__(self, config: AFDConfig, connector: AttentionConnector):
+    def __init__(self, config: AFDConfig, connector: AttentionConnector, rank: int = 0,
+                 new_connector: Callable[[AFDConfig], AttentionConnector] | None = None,
+                 thread_setup: Callable[[], None] = lambda: None):
+        """``new_connector(config)`` makes the connector of a later world (None: no
+        ride-through); ``thread_setup`` runs first in the threads that connect."""
         self.config = config
         self.connector = connector
+        self.rank = rank
+        self._new_connector = new_connector
+        self._thread_setup = thread_setup
+        self.reconnect_timeout_s = (config.extra.reconnect_timeout_s
+                                    if new_connector is not None else 0.0)
         self.gate_on_attention = config.compute_gate_on_attention
         self.num_stages = config.extra.num_micro_batches
         self.first_layer = connector.shape.moe_layers[0]
         self.last_layer = connector.shape.moe_layers[-1]
         self.metrics = metrics.recorder("attention", config.connector)
-        self.step = 0
+        self.step = 0  # in this FFN world: every world's first step is its step 0
+        self.worlds = 0  # FFN worlds connected so far
         self._layer_of: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._in_step = False
-        self._lost: str | None = None
+        self._wire_free = threading.Condition(self._lock)
+        self._in_step = False  # a forward is past its first MoE layer and not done
+        self._on_wire = False  # ... and uses the connector (it does not wait for one)
+        self._down_since: float | None = None  # riding through a lost FFN role since then
+        self._lost: str | None = None  # why this role cannot go on
         self._planned: tuple[int, ...] | None = None
         self._last_busy = 0
         self._since: list[float | None] = [None] * self.num_stages
         self.closed = False
         self._serving = False  # vLLM's start-up is over: forwards need the FFN role
-        self._peers = threading.Event()  # connected, or lost (then _lost says why)
+        self._peers = threading.Event()  # connected, or lost for good (then _lost says why)
+
+    # -- connecting -------------------------------------------------------------------------
+
+    def start_connecting(self) -> None:
+        """Connect in a thread: vLLM's start-up goes on meanwhile."""
+        self._spawn(self._connect_first, "connect")
+
+    def _spawn(self, target, what: str, *args) -> None:
+        threading.Thread(target=target, args=args, name=f"afd-{what}-{self.rank}",
+                         daemon=True).start()
+
+    def _connect_first(self) -> None:
+        try:
+            self._thread_setup()
+            self.connector.init()
+        except BaseException as e:  # noqa: BLE001 - the role cannot serve: end it, saying why
+            if self.closed:  # stopped before the FFN role turned up: nothing failed
+                return
+            if not isinstance(e, AFDError):
+                logger.exception("AFD attention rank %d: unexpected error connecting", self.rank)
+            self._end(f"attention rank {self.rank}: could not connect to the FFN role: {e}")
+            return
+        self.connected(self.connector)
+
+    def connected(self, connector: AttentionConnector | None = None) -> None:
+        """``connector`` is connected: steps may use it."""
+        if connector is not None:
+            connector.watch_peers(lambda reason: self._on_peer_lost(connector, reason))
+        with self._lock:
+            self.worlds += 1
+            if self._down_since is None:  # not lost again before the watch began
+                self._peers.set()
+        n = self.num_stages
+        logger.info("AFD attention rank %d: connected (%d micro-batch%s per step)", self.rank, n,
+                    "" if n == 1 else "es")
+
+    def _on_peer_lost(self, connector: AttentionConnector, reason: str) -> None:
+        reason = f"attention rank {self.rank}: the FFN role is gone ({reason})"
+        where = self.peer_lost(reason, connector)
+        if where in ("starting", "in_step", "idle"):
+            self._act_on(where, reason)
+
+    def _end(self, reason: str) -> None:
+        self._act_on(self.peer_lost(reason, final=True), reason)
+
+    @staticmethod
+    def _act_on(where: str, reason: str) -> None:
+        """End the role the way ``peer_lost`` said: through vLLM's start-up failure, the failing
+        step, or from outside."""
+        if where == "starting":  # vLLM's own start-up failure path ends the server
+            logger.error("AFD: %s -- vLLM's start-up ends with it", reason)
+            return
+        lifecycle.mark_failed(reason)
+        if where == "idle":
+            lifecycle.exit_worker()
+
+    def peer_lost(self, reason: str, connector: AttentionConnector | None = None,
+                  final: bool = False) -> str:
+        """The FFN role of ``connector`` (default: the current one) is gone. Says who must act:
+        "reconnecting" (nobody: the session rides through it), "starting" (vLLM's start-up will
+        fail with it: ``startup_done`` raises), "in_step" (the running step raises by itself) or
+        "idle" (nothing would raise: the caller must end the worker)."""
+        with self._lock:
+            if connector is not None and connector is not self.connector:
+                return "reconnecting"  # a world already left behind
+            if self._lost is None and not final and self._serving and self.reconnect_timeout_s:
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    self._peers.clear()
+                    self._spawn(self._ride_through, "reconnect", reason)
+                return "reconnecting"
+            if self._lost is None:
+                self._lost = reason
+            self._peers.set()  # a step waiting for the connection raises
+            return self._where()
+
+    def _where(self) -> str:
+        if not self._serving:
+            return "starting"
+        return "in_step" if self._in_step else "idle"
+
+    def _ride_through(self, reason: str) -> None:
+        """Close the lost world once no step uses it, then connect to whichever FFN role comes
+        back, until ``reconnect_timeout_s`` after the loss."""
+        budget = self.reconnect_timeout_s
+        deadline = self._down_since + budget
+        c = self.config
+        logger.warning("AFD: %s -- waiting up to %g s (reconnect_timeout_s) for an FFN role "
+                       "at %s:%d; requests in flight resume when one is back", reason, budget,
+                       c.host, c.port)
+        role_status.set_waiting(self.rank, {"rank": self.rank, "reason": reason,
+                                            "lost_at": time.time(),
+                                            "reconnect_timeout_s": budget})
+        try:
+            self._thread_setup()
+            with self._wire_free:  # a step on the lost world fails by itself, in bounded time
+                self._wire_free.wait_for(lambda: not self._on_wire,
+                                         max(0.0, deadline - time.monotonic()))
+                lost, busy = self.connector, self._on_wire
+            if busy:
+                raise AFDPeerError("the step on the lost world did not end")
+            lost.close()
+            last = "no FFN role turned up"
+            while not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                connector = self._new_connector(c.with_extra(connect_timeout_s=left))
+                with self._lock:
+                    self.connector = connector  # what close() closes
+                try:
+                    connector.init()
+                except AFDHandshakeError:
+                    raise  # another model or token: waiting longer would not help
+                except AFDError as e:
+                    last = str(e)
+                    connector.close()
+                    time.sleep(RETRY_PAUSE_S)
+                    continue
+                with self._lock:
+                    self._down_since = None
+                    self.step = 0
+                role_status.clear(self.rank)
+                logger.info("AFD attention rank %d: an FFN role is back after %.1f s", self.rank,
+                            time.monotonic() - deadline + budget)
+                self.connected(connector)
+                return
+            if self.closed:
+                return
+            raise AFDPeerError(f"{last}")
+        except BaseException as e:  # noqa: BLE001 - the ride-through ends here: so does the role
+            role_status.clear(self.rank)
+            if self.closed:
+                return
+            if not isinstance(e, AFDError):
+                logger.exception("AFD attention rank %d: unexpected error reconnecting",
+                                 self.rank)
+            self._end(f"{reason}; no FFN role came back within reconnect_timeout_s "
+                      f"({budget:g} s): {e}")
 
     def startup_done(self) -> None:
         """vLLM finished its start-up forwards; from now on every forward is a step. A connection
@@ -83,12 +253,28 @@ class AttentionSession:
             self._serving = True
             self._raise_if_lost()
 
-    def connected(self) -> None:
-        self._peers.set()
-
     def activate(self) -> None:
         global _current
         _current = self
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def run_forward(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``forward()``, run again from its start if the FFN role is lost during it and another
+        comes back (the wait is in the first MoE layer of the new run)."""
+        for run in range(1, MAX_RUNS_PER_FORWARD + 1):
+            try:
+                return forward()
+            except StepInterrupted as e:
+                if run == MAX_RUNS_PER_FORWARD:
+                    reason = (f"attention rank {self.rank}: a forward was interrupted "
+                              f"{run} times by the loss of its FFN role: {e}")
+                    lifecycle.mark_failed(reason)
+                    raise AFDPeerError(reason) from e
+                logger.warning("AFD attention rank %d: the forward of step %d was interrupted "
+                               "(%s); it runs again once an FFN role is back", self.rank,
+                               self.step, e)
+        raise AssertionError("unreachable")
 
     def plan(self, stage_tokens: tuple[int, ...]) -> None:
         """The next forward is split: its tokens per stage."""
@@ -105,10 +291,11 @@ class AttentionSession:
         if layer is None:
             layer = self._layer_of[layer_name] = layer_index(layer_name)
         stage = micro_batches.current_stage()
-        conn, rec = self.connector, self.metrics
+        rec = self.metrics
         try:
             if layer == self.first_layer and stage == 0:
                 self._begin_step(x.shape[0])
+            conn = self.connector  # the same for the whole step: swapped only off the wire
             call = LayerCall(layer, stage)
             sent = time.perf_counter()
             if self._since[stage] is not None:  # None in forwards the runner did not time
@@ -131,19 +318,40 @@ class AttentionSession:
                 conn.end_step()
                 self.step += 1
                 self._since = [None] * self.num_stages
-                with self._lock:
-                    self._in_step = False
+                self._off_wire(in_step=False)
+        except StepInterrupted:
+            raise
+        except AFDPeerError as e:
+            where = f"step {self.step}, layer {layer}, micro-batch {stage}"
+            if self._on_wire and self.peer_lost(
+                    f"attention rank {self.rank}: {where}: {e}") == "reconnecting":
+                self._since = [None] * self.num_stages
+                self._off_wire(in_step=True)
+                raise StepInterrupted(f"{where}: {e}") from e
+            lifecycle.mark_failed(f"{where}: {e}")
+            raise
         except AFDError as e:
-            mark_failed(f"step {self.step}, layer {layer}, micro-batch {stage}: {e}")
+            lifecycle.mark_failed(f"step {self.step}, layer {layer}, micro-batch {stage}: {e}")
             raise
         return out
+
+    def _off_wire(self, in_step: bool) -> None:
+        with self._wire_free:
+            self._in_step, self._on_wire = in_step, False
+            self._wire_free.notify_all()
 
     def _begin_step(self, rows: int) -> None:
         with self._lock:
             self._raise_if_lost()
             self._in_step = True
-        if not self._peers.is_set():
-            self._wait_for_peers()
+        while True:
+            if not self._peers.is_set():
+                self._wait_for_peers()
+            with self._lock:
+                self._raise_if_lost()
+                if self._peers.is_set():  # not lost again meanwhile
+                    self._on_wire = True
+                    break
         tokens = self._planned or (rows,) + (0,) * (self.num_stages - 1)
         self._planned = None
         self._last_busy = max((s for s, n in enumerate(tokens) if n), default=0)
@@ -152,11 +360,11 @@ class AttentionSession:
     def _wait_for_peers(self) -> None:
         c, start = self.config, time.monotonic()
         while not self._peers.wait(CONNECT_PROGRESS_EVERY_S):
-            logger.info("AFD attention: step %d waits for the FFN role at %s:%d (%.0f s; "
-                        "connect_timeout_s %s)", self.step, c.host, c.port,
-                        time.monotonic() - start, c.extra.connect_timeout_s or "unset")
-        with self._lock:
-            self._raise_if_lost()
+            bound = (f"reconnect_timeout_s {self.reconnect_timeout_s:.0f}"
+                     if self._down_since is not None
+                     else f"connect_timeout_s {c.extra.connect_timeout_s or 'unset'}")
+            logger.info("AFD attention rank %d: a step waits for the FFN role at %s:%d (%.0f s; "
+                        "%s)", self.rank, c.host, c.port, time.monotonic() - start, bound)
 
     def _raise_if_lost(self) -> None:
         """Under ``_lock``: the one place a recorded loss becomes the caller's error."""
@@ -172,21 +380,12 @@ class AttentionSession:
         k = topk_ids.shape[1]
         return (topk_ids.new_empty(0, k), topk_weights.new_empty(0, k))
 
-    def peer_lost(self, reason: str) -> str:
-        """Record that the FFN role is gone; no step starts after this. Says who must act:
-        "starting" (vLLM's start-up will fail with it: ``startup_done`` raises), "in_step" (the
-        running step raises by itself) or "idle" (nothing would raise: the caller must end the
-        worker)."""
-        with self._lock:
-            self._lost = reason
-            self._peers.set()  # a step waiting for the connection raises
-            if not self._serving:
-                return "starting"
-            return "in_step" if self._in_step else "idle"
-
     def close(self) -> None:
         global _current
         self.closed = True
         if _current is self:
             _current = None
-        self.connector.close()
+        with self._lock:
+            connector = self.connector
+        connector.close()
+        role_status.clear(self.rank)
