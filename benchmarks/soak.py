@@ -12,14 +12,11 @@ grows with the request count; one that does not stays within a few percent.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
-from afd_common.launch import BASE_ENV, Server, afd_args
+from afd_common.launch import BASE_ENV, Server, afd_args, load
 from afd_common.selftest import free_port
 from afd_common.tiny_model import write_tiny_model
 
@@ -29,31 +26,6 @@ CONNECTORS = {
                              "connector_extra_config": {"ops_backend": "portable"}},
     "P2pAFDConnector": {"compute_gate_on_attention": True},
 }
-WORDS = "alpha beta gamma delta river stone cloud light north seven".split()
-
-
-def request(server: Server, i: int, max_tokens: int) -> int:
-    prompt = " ".join(WORDS[(i * 3 + j) % 10] for j in range(1 + i % 7))
-    body = json.dumps({"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True}).encode()
-    req = urllib.request.Request(server.url + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        json.loads(r.read())
-        return r.status
-
-
-def load(server: Server, count: int, start: int, concurrency: int, max_tokens: int) -> float:
-    t = time.monotonic()
-    with cf.ThreadPoolExecutor(concurrency) as pool:
-        statuses = list(pool.map(lambda i: request(server, i, max_tokens),
-                                 range(start, start + count)))
-    bad = [s for s in statuses if s != 200]
-    if bad:
-        raise RuntimeError(f"{len(bad)} of {count} requests failed: {bad[:5]}")
-    return time.monotonic() - t
-
-
 def soak(connector: str, model: Path, logs: Path, args) -> dict:
     port = free_port()
     env = dict(BASE_ENV)

@@ -11,8 +11,10 @@ import concurrent.futures as cf
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +42,9 @@ NUM_EXPERTS = {arch: 7 if arch == "qwen3_moe" else 8 for arch in ARCHS}
 # one checkpoint per other routing family with every routed expert reseeded.
 SHARDED_CONTROL_RANKS = 2
 FAMILY_CONTROLS = ("mixtral",)  # the family that routes on the attention role
+# Checkpoints whose FFN role is restarted under a stream of 64-token requests.
+RIDE_THROUGH_ARCHS = ("qwen3_moe", "deepseek_v2")
+RIDE_THROUGH_TOKENS = 64
 
 
 _plugins = None
@@ -131,6 +136,63 @@ def long_request(server: Server, max_tokens: int = 400):
         return "connection", repr(e)
 
 
+def kill_all(server: Server) -> None:
+    """SIGKILL every process of the server, as a crashed host would."""
+    for pid in server.pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class RequestStream:
+    """``clients`` threads, each sending one greedy request after another (the prompts in turn)
+    until the ``with`` block ends; ``results`` holds (prompt index, token ids or the error)."""
+
+    def __init__(self, server: Server, prompts: list[str], max_tokens: int, clients: int = 8):
+        self.server, self.prompts, self.max_tokens = server, prompts, max_tokens
+        self.results: list[tuple[int, object]] = []
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, daemon=True)
+                         for _ in range(clients)]
+
+    def _client(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                i, self._next = self._next % len(self.prompts), self._next + 1
+            try:
+                out: object = complete(self.server, [self.prompts[i]], self.max_tokens,
+                                       timeout_s=600)[0]["tokens"]
+            except Exception as e:  # noqa: BLE001 - recorded: the test asserts there is none
+                out = e
+            with self._lock:
+                self.results.append((i, out))
+
+    @property
+    def done(self) -> int:
+        with self._lock:
+            return len(self.results)
+
+    def wait_done(self, n: int, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while self.done < n:
+            assert time.monotonic() < end, f"{self.done} of {n} requests done in {timeout_s} s"
+            assert not self.server.exited(), self.server.log_tail()
+            time.sleep(0.2)
+
+    def __enter__(self) -> RequestStream:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(600)
+
+
 @pytest.fixture(scope="session")
 def colocated(models, logs) -> dict[str, list]:
     """The reference: colocated vLLM per checkpoint, same engine flags, same prompts (vLLM's
@@ -138,6 +200,9 @@ def colocated(models, logs) -> dict[str, list]:
     64-request mixed load."""
     jobs = [{"key": arch, "model": str(models[arch]), "prompts": PROMPTS[:NUM_PROMPTS],
              "max_tokens": [32] * NUM_PROMPTS} for arch in ARCHS]
+    jobs += [{"key": f"{arch}-{RIDE_THROUGH_TOKENS}", "model": str(models[arch]),
+              "prompts": PROMPTS[:NUM_PROMPTS], "max_tokens": [RIDE_THROUGH_TOKENS] * NUM_PROMPTS}
+             for arch in RIDE_THROUGH_ARCHS]
     mixed = mixed_load()
     jobs.insert(1, {"key": "deepseek_v2-mixed", "model": str(models["deepseek_v2"]),
                     "prompts": [p for p, _ in mixed], "max_tokens": [n for _, n in mixed]})

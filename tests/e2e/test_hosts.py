@@ -36,7 +36,8 @@ def _connects(hosts: Hosts | None, i: int, address: str, port: int) -> bool:
 def test_roles_on_two_hosts_give_the_colocated_answer_and_a_cut_link_fails_fast(
         hosts, models, colocated, logs):
     with afd_pair("hosts", logs, models["qwen3_moe"], hosts=hosts,
-                  connector_extra_config={"step_timeout_s": STEP_TIMEOUT_S}) as pair:
+                  connector_extra_config={"step_timeout_s": STEP_TIMEOUT_S,
+                                          "reconnect_timeout_s": 0}) as pair:
         attention, ffn, port = pair.attention, pair.ffn, pair.port
         problems = compare(complete(attention, PROMPTS[:NUM_PROMPTS]), colocated["qwen3_moe"])
         assert not problems, "\n".join(problems)

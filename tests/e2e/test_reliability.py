@@ -5,8 +5,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import signal
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -17,7 +17,7 @@ from afd_common.lifecycle import FAILED_EXIT_CODE
 from afd_common.selftest import free_port
 from afd_common.tiny_model import write_tiny_model
 
-from .conftest import NUM_PROMPTS, afd_pair, long_request, run_mixed, say
+from .conftest import NUM_PROMPTS, afd_pair, kill_all, long_request, run_mixed, say
 
 pytestmark = pytest.mark.e2e
 
@@ -32,19 +32,6 @@ def wait_for_line(server: Server, needle: str, timeout_s: float = 240) -> float:
         time.sleep(0.2)
     raise AssertionError(f"{server.name}: no {needle!r} within {timeout_s} s:\n"
                          f"{server.log_tail()}")
-
-
-def kill_all(server: Server) -> None:
-    """SIGKILL every process of the server, as a crashed host would."""
-    for pid in server.pids():
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def stopped_or_unhealthy(server: Server) -> bool:
-    return server.exited() or server.health() not in (200,)
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +167,13 @@ def test_the_ffn_role_outlives_a_killed_attention_role_and_serves_the_next(auth_
         new.stop(10)
 
 
+RECONNECT_S = 10
+
+
 @pytest.fixture(scope="module")
 def load_pair(models, logs):
-    with afd_pair("load", logs, models["deepseek_v2"], connector_extra_config=TIMEOUT) as pair:
+    with afd_pair("load", logs, models["deepseek_v2"],
+                  connector_extra_config={**TIMEOUT, "reconnect_timeout_s": RECONNECT_S}) as pair:
         yield pair
 
 
@@ -194,7 +185,11 @@ def test_64_concurrent_mixed_requests_exact(load_pair, colocated):
     assert not mismatched, f"requests {mismatched} differ from colocated"
 
 
-def test_sigkill_ffn_mid_generation_fails_the_request_fast(load_pair):
+def test_an_ffn_role_gone_past_reconnect_timeout_fails_requests_and_ends_the_attention_role(
+        load_pair):
+    """SIGKILL the FFN role mid-generation and start none: the attention role waits
+    ``reconnect_timeout_s`` (10 s), answering /health with 503 and why, then fails the request
+    with an error and exits 3; no process of either role is left."""
     pair = load_pair
     with cf.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(long_request, pair.attention)
@@ -202,16 +197,27 @@ def test_sigkill_ffn_mid_generation_fails_the_request_fast(load_pair):
         assert not fut.done(), "generation finished before the kill; make it longer"
         killed = time.monotonic()
         kill_all(pair.ffn)
-        status, detail = fut.result(timeout=15 + 10)
+        while pair.attention.health() != 503 and time.monotonic() < killed + RECONNECT_S:
+            time.sleep(0.2)
+        waiting = json.loads(_get_status(pair.attention))
+        status, detail = fut.result(timeout=RECONNECT_S + 30)
         took = time.monotonic() - killed
-    say(f"SIGKILL FFN: in-flight request ended with {status} after {took:.1f} s")
-    assert status != 200 and took <= 15 + 10, (status, detail)
-    end = time.monotonic() + 30
-    while time.monotonic() < end and not stopped_or_unhealthy(pair.attention):
-        time.sleep(0.5)
-    say(f"SIGKILL FFN: attention /health {pair.attention.health()} (0: server gone) "
-        f"{time.monotonic() - killed:.1f} s after the kill")
-    assert stopped_or_unhealthy(pair.attention)
+    say(f"SIGKILL FFN, none started: /health said {waiting}; the in-flight request ended with "
+        f"{status} after {took:.1f} s (reconnect_timeout_s {RECONNECT_S})")
+    assert waiting["afd_role"] == "attention" and not waiting["healthy"]
+    assert "attention rank 0" in waiting["ranks"][0]["reason"]
+    assert status != 200 and RECONNECT_S <= took <= RECONNECT_S + 20, (status, detail)
     assert wait_gone([pair.ffn], 30)
     assert wait_gone([pair.attention], 30), "the attention role should stop by itself"
     assert pair.attention.proc.returncode == FAILED_EXIT_CODE
+    log = pair.attention.log_path.read_text(errors="replace")
+    assert f"no FFN role came back within reconnect_timeout_s ({RECONNECT_S} s)" in log
+
+
+def _get_status(server: Server) -> str:
+    """The body of /health, whatever its status."""
+    try:
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+            return r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.read().decode()

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 
 import pytest
 
-from afd_common.launch import PROMPTS, compare, complete, wait_gone
+from afd_common.launch import PROMPTS, compare, complete, load, wait_gone
 from afd_common.lifecycle import FAILED_EXIT_CODE
-
 from afd_common.placement import ExpertPlacement
 
-from .conftest import (FAMILY_CONTROLS, NUM_EXPERTS, NUM_PROMPTS, SHARDED_CONTROL_RANKS, afd_pair,
-                       say)
+from .conftest import (FAMILY_CONTROLS, NUM_EXPERTS, NUM_PROMPTS, RIDE_THROUGH_TOKENS,
+                       SHARDED_CONTROL_RANKS, RequestStream, afd_pair, kill_all, say)
 
 pytestmark = pytest.mark.e2e
 
@@ -68,6 +70,7 @@ class Case:
     ngram: bool = False  # n-gram speculative decoding on the attention role
     hosts: bool = False  # every DP rank on a host (network namespace) of its own
     first: str | None = None  # this role starts alone, the other a minute later
+    ride_through: bool = False  # the FFN role is killed and restarted under load, twice
 
     @property
     def id(self) -> str:
@@ -76,7 +79,8 @@ class Case:
                 f"{self.A}A{self.F}F-{place}-{self.connector}-m{self.m}"
                 + ("-inorder" if self.inorder else "") + ("-ngram" if self.ngram else "")
                 + ("-hosts" if self.hosts else "")
-                + (f"-{self.first}_first" if self.first else ""))
+                + (f"-{self.first}_first" if self.first else "")
+                + ("-ffn_restarts" if self.ride_through else ""))
 
     def afd(self) -> dict:
         extra: dict = {}
@@ -107,7 +111,7 @@ class Case:
 CASES = [
     # The README's scale-out recipe: 2 FFN ranks each holding every expert in full (the gate on
     # the FFN role; the first round's recipe failed here: vLLM made it tensor-parallel).
-    Case("qwen3_moe", False, F=2, m=2),
+    Case("qwen3_moe", False, F=2, m=2, ride_through=True),
     # Experts sharded over the FFN ranks: M2N dispatch from the attention side, A < F with 3
     # micro-batches over P2P under in-order matching (AFD_TEST_INORDER, as on NCCL; A = F is in
     # the CAM cases below and the multi-process tests), and 3 FFN ranks with an uneven share on
@@ -118,9 +122,9 @@ CASES = [
     # both under in-order matching, as on HCCL: CAMP2p sharded (M2N through a2e/e2a), CAMAsync
     # with async DP and the FFN role's receive loop as the clock.
     Case("qwen3_moe", True, A=2, F=2, connector="CAMP2pAFDConnector", m=2, sharded=True,
-         inorder=True),
+         inorder=True, ride_through=True),
     Case("deepseek_v2", True, A=2, F=2, connector="CAMAsyncAFDConnector", sharded=True,
-         inorder=True),
+         inorder=True, ride_through=True),
     # Every other architecture of afd_common.models, 1A1F over P2P, with the gate where the
     # table puts it (DeepSeek-V2 and Qwen3-MoE 1A1F with the gate on the FFN role: the load and
     # auth pairs of test_reliability). DeepSeek-V3 also with 2 attention ranks and m = 2.
@@ -161,6 +165,10 @@ def test_afd_matches_colocated_then_the_ffn_role_outlives_its_attention_role(cas
             log = pair.ffn.log_path.read_text()
             assert f"handshake with {case.A + case.F - 1} peers ok" in log
         check_weights(pair, case, models[case.arch])
+        if case.ride_through:
+            ffn_restarts_under_load(pair, case, colocated, logs)
+            if case.connector != "P2pAFDConnector":  # the op kernels' buffers (issue 13.5)
+                memory_stays_flat(pair, case)
 
         # The FFN role's front end refuses generation and reports its loop.
         status = json.loads(_get(pair.ffn.url + "/health"))
@@ -255,6 +263,67 @@ def check_metrics(pair, case: Case) -> None:
         f"{pairs:.0f} (token, expert) pairs over {len(experts)} experts")
 
 
+def ffn_restarts_under_load(pair, case: Case, colocated, logs) -> None:
+    """8 clients stream greedy 64-token requests while the FFN role is SIGKILLed and started
+    again 10 s later, then stopped with SIGTERM (a rolling update) and started again 10 s later:
+    every request gets the colocated tokens and none errors; the attention server is the same
+    process throughout and answers /health with 503 and its reason while it waits."""
+    reference = [a["tokens"] for a in colocated[f"{case.arch}-{RIDE_THROUGH_TOKENS}"]]
+    pids = [s.proc.pid for s in pair.attention_ranks]
+    with RequestStream(pair.attention, PROMPTS[:NUM_PROMPTS], RIDE_THROUGH_TOKENS) as stream:
+        stream.wait_done(8, 300)
+        for how in ("SIGKILL", "SIGTERM"):
+            lost = time.monotonic()
+            for server in pair.ffn_ranks:
+                if how == "SIGKILL":
+                    kill_all(server)
+                else:
+                    server.signal(signal.SIGTERM)
+            assert wait_gone(pair.ffn_ranks, 30), [s.log_tail() for s in pair.ffn_ranks]
+            while pair.attention.health() != 503 and time.monotonic() < lost + 10:
+                time.sleep(0.2)
+            waiting = json.loads(_get(pair.attention.url + "/health", ok_only=False))
+            assert not waiting["healthy"] and waiting["ranks"], waiting
+            time.sleep(max(0.0, lost + 10 - time.monotonic()))
+            pair.ffn_ranks = [dataclasses.replace(  # same flags, cores, host and port
+                s, name=f"{s.name}-after-{how}", log_path=logs / f"{s.name}-after-{how}.log",
+                proc=None).start() for s in pair.ffn_ranks]
+            pair.ffn.wait_ready(progress=say, others=(*pair.ffn_ranks[1:], pair.attention))
+            before = stream.done
+            stream.wait_done(before + 8, 300)
+            say(f"{case.id}: {how} on the FFN role, a new one 10 s later: {before} requests "
+                f"done before it served, {stream.done} now; /health while waiting: "
+                f"{waiting['reason']!r}, {len(waiting['ranks'])} rank(s) waiting; back "
+                f"{time.monotonic() - lost:.0f} s after the loss")
+    errors = [(i, out) for i, out in stream.results if not isinstance(out, list)]
+    assert not errors, errors[:3]
+    wrong = [i for i, out in stream.results if out != reference[i]]
+    assert not wrong, f"{len(wrong)} of {len(stream.results)} requests differ: prompts {wrong}"
+    assert [s.proc.pid for s in pair.attention_ranks] == pids and not any(
+        s.exited() for s in pair.attention_ranks)
+    assert pair.attention.health() == 200
+
+
+SOAK_REQUESTS, SOAK_WARMUP, SOAK_MAX_GROWTH = 2000, 200, 0.05
+
+
+def memory_stays_flat(pair, case: Case) -> None:
+    """2,000 requests after a warm-up of 200: each role's resident memory (every process of
+    its servers) grows by less than 5 %."""
+    def rss(servers) -> int:
+        return sum(s.rss_bytes() for s in servers)
+
+    load(pair.attention, SOAK_WARMUP)
+    before = [rss(pair.attention_ranks), rss(pair.ffn_ranks)]
+    took = load(pair.attention, SOAK_REQUESTS, start=SOAK_WARMUP)
+    after = [rss(pair.attention_ranks), rss(pair.ffn_ranks)]
+    growth = [b / a - 1 for a, b in zip(before, after)]
+    say(f"{case.id}: {SOAK_REQUESTS} requests in {took:.1f} s; RSS attention "
+        f"{before[0] >> 20} -> {after[0] >> 20} MiB ({growth[0]:+.2%}), FFN {before[1] >> 20} -> "
+        f"{after[1] >> 20} MiB ({growth[1]:+.2%})")
+    assert max(growth) < SOAK_MAX_GROWTH, growth
+
+
 def sigterm_ends_both(pair, servers) -> None:
     """SIGTERM the FFN role (each of its servers: on several hosts, vLLM's headless DP ranks are
     stopped host by host, as their front end does not stop them): both roles must be gone within
@@ -298,10 +367,15 @@ def sigterm_attention_then_ffn(pair) -> None:
     assert all(s.proc.returncode == 0 for s in pair.ffn_ranks), "stopped on purpose: 0"
 
 
-def _get(url: str) -> str:
-    import urllib.request
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
+def _get(url: str, ok_only: bool = True) -> str:
+    """The body at ``url``; with ``ok_only`` False, also that of an error status."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.read().decode()
+    except urllib.error.HTTPError as e:
+        if ok_only:
+            raise
+        return e.read().decode()
 
 
 @dataclass(frozen=True)
@@ -330,10 +404,12 @@ CONTROLS = [Control("qwen3_moe", f"qwen3_moe-other-experts-f{SHARDED_CONTROL_RAN
 
 @pytest.mark.parametrize("control", CONTROLS, ids=[c.id for c in CONTROLS])
 def test_negative_control_and_sigterm_on_ffn_ends_both(control, models, colocated, logs):
-    """Then SIGTERM on the FFN server ends both roles within 30 s."""
+    """Then SIGTERM on the FFN server ends both roles within 30 s when the attention role is
+    told not to wait for another FFN role (``reconnect_timeout_s`` 0)."""
     with afd_pair(f"negative-{control.id}", logs, models[control.arch],
                   ffn_model=models[control.ffn_model], num_ffn_ranks=control.F,
                   compute_gate_on_attention=True,
+                  connector_extra_config={"reconnect_timeout_s": 0},
                   vllm_args=("--enable-expert-parallel",) if control.F > 1 else ()) as pair:
         answers = complete(pair.attention, PROMPTS[:NUM_PROMPTS])
         differing = compare(answers, colocated[control.arch])

@@ -6,6 +6,7 @@ its output goes to a log file, and ``wait_ready`` reports progress while it load
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import shutil
@@ -192,6 +193,32 @@ def complete(server: Server, prompts: list[str], max_tokens: int = 32,
     choices = sorted(out["choices"], key=lambda c: c["index"])
     return [{"text": c["text"], "tokens": c["logprobs"]["tokens"],
              "logprobs": c["logprobs"]["token_logprobs"]} for c in choices]
+
+
+_WORDS = "alpha beta gamma delta river stone cloud light north seven".split()
+
+
+def load(server: Server, count: int, start: int = 0, concurrency: int = 8,
+         max_tokens: int = 8) -> float:
+    """``count`` greedy requests of a few words each (request ``i`` for ``i`` from ``start``),
+    ``concurrency`` at a time; the seconds they took. Raises if any failed."""
+    def one(i: int) -> int:
+        prompt = " ".join(_WORDS[(i * 3 + j) % 10] for j in range(1 + i % 7))
+        body = json.dumps({"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            json.loads(r.read())
+            return r.status
+
+    t = time.monotonic()
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        statuses = list(pool.map(one, range(start, start + count)))
+    bad = [s for s in statuses if s != 200]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {count} requests failed: {bad[:5]}")
+    return time.monotonic() - t
 
 
 def compare(a: list[dict], b: list[dict], tol: float = 1e-3) -> list[str]:
