@@ -33,10 +33,6 @@ logger = logging.getLogger("vllm.afd")
 # After a world ended badly, before waiting for the next: FFN ranks other than 0 must not find
 # rank 0's old rendezvous still up, and a role that keeps failing must not spin.
 NEXT_WORLD_PAUSE_S = 2.0
-# How long a stop lets a step in progress finish: every attention rank then has its results, so
-# all of them run the same next step on the next FFN role (one with and one without would be a
-# step apart there, and their DP ranks could not meet again).
-STOP_GRACE_S = 5.0
 # What forming a world says while rank 0's last rendezvous is still closing.
 _OLD_WORLD_CLOSING = ("is already taken by another process", "Address already in use",
                       "lost the rendezvous")
@@ -146,9 +142,6 @@ class FFNService:
 
     def stop(self) -> None:
         self._stop.set()
-        end = time.monotonic() + STOP_GRACE_S
-        while (runner := self.runner) is not None and runner.mid_step and time.monotonic() < end:
-            time.sleep(0.005)
         with self._lock:
             connector = self.connector
         if connector is not None:

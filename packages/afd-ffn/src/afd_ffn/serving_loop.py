@@ -27,8 +27,6 @@ class ServingLoop(abc.ABC):
         self._timer = metrics.DeviceTimer(connector.device)
         self.steps_done = 0
         self.last_step_at: float | None = None
-        # Between a step's plan and its last result: a stop waits for it (afd_ffn.service).
-        self.mid_step = False
 
     def _receive(self, stage: int, **kwargs) -> WorkItem:
         start = time.perf_counter()
@@ -57,7 +55,6 @@ class ServingLoop(abc.ABC):
 
     def _served(self) -> bool:
         self.connector.end_step()
-        self.mid_step = False
         self.steps_done += 1
         self.last_step_at = time.monotonic()
         return True

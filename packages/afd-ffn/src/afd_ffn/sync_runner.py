@@ -32,7 +32,6 @@ class SyncFFNRunner(ServingLoop):
             logger.info("AFD FFN rank %d: attention side stopped after %d steps",
                         conn.local_rank, self.steps_done)
             return False
-        self.mid_step = True
         for layer in self.moe_layers:
             for stage in range(plan.num_stages):
                 self._answer(self._receive(stage, layer_idx=layer), plan)
