@@ -45,6 +45,7 @@ FAMILY_CONTROLS = ("mixtral",)  # the family that routes on the attention role
 # Checkpoints whose FFN role is restarted under a stream of 64-token requests.
 RIDE_THROUGH_ARCHS = ("qwen3_moe", "deepseek_v2")
 RIDE_THROUGH_TOKENS = 64
+AUTH_SECRET = "s3cret-afd-token-0042"  # must never appear in a log
 
 
 _plugins = None

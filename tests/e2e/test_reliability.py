@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from afd_common.launch import PROMPTS, Server, afd_args, compare, complete, wait_gone
+from afd_common.launch import Server, afd_args, wait_gone
 from afd_common.lifecycle import FAILED_EXIT_CODE
 from afd_common.selftest import free_port
 from afd_common.tiny_model import write_tiny_model
 
-from .conftest import NUM_PROMPTS, afd_pair, kill_all, long_request, run_mixed, say
+from .conftest import AUTH_SECRET as SECRET
+from .conftest import afd_pair, kill_all, long_request, run_mixed, say
 
 pytestmark = pytest.mark.e2e
 
@@ -96,7 +97,7 @@ def test_mismatched_roles_are_refused_naming_the_field(change, field, models, ot
         ffn.stop(5), attention.stop(5)
 
 
-SECRET, WRONG = "s3cret-afd-token-0042", "other-afd-token-0043"
+WRONG = "other-afd-token-0043"
 TIMEOUT = {"timeout_s": 15}
 
 
@@ -115,56 +116,6 @@ def test_auth_token_wrong_is_refused_and_never_logged(models, logs):
     for server in (ffn, attention):
         text = server.log_path.read_text(errors="replace")
         assert SECRET not in text and WRONG not in text
-
-
-# Each pair below serves one test, then a second test kills one of its roles.
-@pytest.fixture(scope="module")
-def auth_pair(models, logs):
-    """The token in the config this time, where vLLM itself prints its arguments."""
-    with afd_pair("auth-ok", logs, models["qwen3_moe"],
-                  connector_extra_config={"auth_token": SECRET, **TIMEOUT}) as pair:
-        yield pair
-
-
-def test_auth_token_right_works_and_is_never_logged(auth_pair, colocated):
-    """Also Qwen3-MoE 1A1F with the gate on the FFN role against colocated vLLM."""
-    answers = complete(auth_pair.attention, PROMPTS[:NUM_PROMPTS])
-    problems = compare(answers, colocated["qwen3_moe"])
-    assert not problems, "\n".join(problems)
-    for server in auth_pair.servers:
-        log = server.log_path.read_text(errors="replace")
-        assert "auth_token" in log and SECRET not in log
-
-
-def test_the_ffn_role_outlives_a_killed_attention_role_and_serves_the_next(auth_pair, colocated,
-                                                                           logs):
-    """SIGKILL the attention role: the FFN role, the same process, names the loss and waits; a
-    new attention role then gets the colocated answers through it."""
-    ffn, old = auth_pair.ffn, auth_pair.attention
-    pid = ffn.proc.pid
-    killed = time.monotonic()
-    kill_all(old)
-    end = killed + 30
-    while True:  # the loop closes the lost world, then waits for the next
-        status = json.loads(urllib.request.urlopen(ffn.url + "/health", timeout=10).read())
-        if status["ranks"][0]["state"] == "waiting" or time.monotonic() > end:
-            break
-        time.sleep(0.5)
-    took = time.monotonic() - killed
-    say(f"SIGKILL attention: the FFN role waits for the next after {took:.1f} s: {status}")
-    assert status["healthy"] and status["ranks"][0]["state"] == "waiting"
-    assert "attention rank 0" in status["ranks"][0]["error"]
-    new = Server(f"{old.name}-2", old.model, free_port(), logs / f"{old.name}-2.log",
-                 args=old.args, env=old.env, cores=old.cores).start()
-    try:
-        new.wait_ready(progress=say, others=(ffn,))
-        problems = compare(complete(new, PROMPTS[:NUM_PROMPTS]), colocated["qwen3_moe"])
-        assert not problems, "\n".join(problems)
-        assert ffn.proc.pid == pid and not ffn.exited()
-        status = json.loads(urllib.request.urlopen(ffn.url + "/health", timeout=10).read())
-        assert status["ranks"][0]["attention_worlds"] == 2, status
-    finally:
-        new.stop(10)
 
 
 RECONNECT_S = 10

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import json
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -16,8 +19,11 @@ from afd_common.launch import PROMPTS, compare, complete, wait_gone
 from afd_common.lifecycle import FAILED_EXIT_CODE
 from afd_common.placement import ExpertPlacement
 
-from .conftest import (FAMILY_CONTROLS, NUM_EXPERTS, NUM_PROMPTS, RIDE_THROUGH_TOKENS,
-                       SHARDED_CONTROL_RANKS, RequestStream, afd_pair, kill_all, say)
+from afd_common.bench.hosts import Hosts
+
+from .conftest import (AUTH_SECRET, FAMILY_CONTROLS, NUM_EXPERTS, NUM_PROMPTS, RIDE_THROUGH_TOKENS,
+                       SHARDED_CONTROL_RANKS, RequestStream, afd_pair, kill_all, long_request,
+                       say)
 
 pytestmark = pytest.mark.e2e
 
@@ -71,6 +77,9 @@ class Case:
     hosts: bool = False  # every DP rank on a host (network namespace) of its own
     first: str | None = None  # this role starts alone, the other a minute later
     ride_through: bool = False  # the FFN role is killed and restarted under load, twice
+    cut_link: bool = False  # (hosts) the FFN rank 0 host unplugged mid-decode, at the end
+    auth: bool = False  # an auth token in the config (where vLLM prints its arguments)
+    attention_restart: bool = False  # SIGKILL the attention role, start another: same FFN role
 
     @property
     def id(self) -> str:
@@ -89,6 +98,10 @@ class Case:
             extra["async_dp"], cec["ops_backend"] = True, "portable"
         if self.m > 1:
             cec["num_micro_batches"] = self.m
+        if self.auth:
+            cec["auth_token"] = AUTH_SECRET
+        if self.cut_link:  # only the step timeout can end the wait; no ride-through
+            cec["step_timeout_s"], cec["reconnect_timeout_s"] = CUT_STEP_TIMEOUT_S, 0
         if self.first:
             # Waiting for the other role is not bounded by the first step's timeout (the old
             # rule): a minute apart with 30 s for the first step.
@@ -111,12 +124,13 @@ class Case:
 CASES = [
     # The README's scale-out recipe: 2 FFN ranks each holding every expert in full (the gate on
     # the FFN role; the first round's recipe failed here: vLLM made it tensor-parallel).
-    Case("qwen3_moe", False, F=2, m=2, ride_through=True),
+    # It also rides through FFN restarts, with an auth token, and serves a second attention role.
+    Case("qwen3_moe", False, F=2, m=2, ride_through=True, auth=True, attention_restart=True),
     # Experts sharded over the FFN ranks: M2N dispatch from the attention side, A < F with 3
     # micro-batches over P2P under in-order matching (AFD_TEST_INORDER, as on NCCL; A = F is in
     # the CAM cases below and the multi-process tests), and 3 FFN ranks with an uneven share on
     # DeepSeek-V2.
-    Case("qwen3_moe", True, F=2, m=3, sharded=True, inorder=True, hosts=True),
+    Case("qwen3_moe", True, F=2, m=3, sharded=True, inorder=True, hosts=True, cut_link=True),
     Case("deepseek_v2", True, F=3, m=2, sharded=True),
     # The CAM connectors move the rows through the afd_ascend ops (portable kernels over Gloo),
     # both under in-order matching, as on HCCL: CAMP2p sharded (M2N through a2e/e2a), CAMAsync
@@ -126,8 +140,8 @@ CASES = [
     Case("deepseek_v2", True, A=2, F=2, connector="CAMAsyncAFDConnector", sharded=True,
          inorder=True, ride_through=True),
     # Every other architecture of afd_common.models, 1A1F over P2P, with the gate where the
-    # table puts it (DeepSeek-V2 and Qwen3-MoE 1A1F with the gate on the FFN role: the load and
-    # auth pairs of test_reliability). DeepSeek-V3 also with 2 attention ranks and m = 2.
+    # table puts it (DeepSeek-V2 1A1F with the gate on the FFN role: the load pair of
+    # test_reliability). DeepSeek-V3 also with 2 attention ranks and m = 2.
     Case("deepseek_v3", False),
     Case("deepseek_v3", True, A=2, m=2, hosts=True),
     # Started a minute apart, each role first once: neither's start-up waits for the other.
@@ -165,8 +179,14 @@ def test_afd_matches_colocated_then_the_ffn_role_outlives_its_attention_role(cas
             log = pair.ffn.log_path.read_text()
             assert f"handshake with {case.A + case.F - 1} peers ok" in log
         check_weights(pair, case, models[case.arch])
+        if case.auth:
+            for server in pair.servers:
+                log = server.log_path.read_text(errors="replace")
+                assert "auth_token" in log and AUTH_SECRET not in log, server.name
         if case.ride_through:
             ffn_restarts_under_load(pair, case, colocated, logs)
+        if case.attention_restart:
+            the_ffn_role_outlives_a_killed_attention_role(pair, case, colocated, logs)
 
         # The FFN role's front end refuses generation and reports its loop.
         status = json.loads(_get(pair.ffn.url + "/health"))
@@ -175,9 +195,12 @@ def test_afd_matches_colocated_then_the_ffn_role_outlives_its_attention_role(cas
         with pytest.raises(Exception, match="400"):
             complete(pair.ffn, PROMPTS[:1])
 
-        # Ctrl-C / SIGTERM on the attention server ends it cleanly; the FFN role, a service,
-        # stays up for the next attention role until it is stopped itself.
-        sigterm_attention_then_ffn(pair)
+        if case.cut_link:
+            cut_link_fails_fast(pair, hosts)
+        else:
+            # Ctrl-C / SIGTERM on the attention server ends it cleanly; the FFN role, a service,
+            # stays up for the next attention role until it is stopped itself.
+            sigterm_attention_then_ffn(pair)
 
 
 def check_weights(pair, case: Case, model_dir) -> None:
@@ -300,6 +323,82 @@ def ffn_restarts_under_load(pair, case: Case, colocated, logs) -> None:
     assert [s.proc.pid for s in pair.attention_ranks] == pids and not any(
         s.exited() for s in pair.attention_ranks)
     assert pair.attention.health() == 200
+
+
+def the_ffn_role_outlives_a_killed_attention_role(pair, case: Case, colocated, logs) -> None:
+    """SIGKILL the attention role: the FFN role, the same process, names the loss and waits; a
+    new attention role then gets the colocated answers through it."""
+    old = pair.attention
+    pids = [s.proc.pid for s in pair.ffn_ranks]
+    killed = time.monotonic()
+    kill_all(old)
+    while True:  # the loop closes the lost world, then waits for the next
+        ranks = json.loads(_get(pair.ffn.url + "/health"))["ranks"]
+        if all(r["state"] == "waiting" for r in ranks) or time.monotonic() > killed + 30:
+            break
+        time.sleep(0.5)
+    say(f"SIGKILL attention: the FFN role waits for the next after "
+        f"{time.monotonic() - killed:.1f} s: {ranks}")
+    assert all(r["healthy"] and r["state"] == "waiting" for r in ranks), ranks
+    assert all("attention rank 0" in r["error"] for r in ranks), ranks
+    pair.attention_ranks = [dataclasses.replace(old, name=f"{old.name}-2", proc=None,
+                                                log_path=logs / f"{old.name}-2.log").start()]
+    pair.attention.wait_ready(progress=say, others=tuple(pair.ffn_ranks))
+    problems = compare(complete(pair.attention, PROMPTS[:NUM_PROMPTS]), colocated[case.arch])
+    assert not problems, "\n".join(problems)
+    assert [s.proc.pid for s in pair.ffn_ranks] == pids
+    ranks = json.loads(_get(pair.ffn.url + "/health"))["ranks"]
+    assert all(r["attention_worlds"] == 2 for r in ranks), ranks
+
+
+CUT_STEP_TIMEOUT_S = 10
+
+
+def _connects(hosts: Hosts | None, i: int, address: str, port: int) -> bool:
+    """Whether a TCP connection to ``address:port`` from host ``i`` (None: this process's
+    namespace) is accepted."""
+    probe = ("import socket,sys\ntry:\n    socket.create_connection((sys.argv[1], int(sys.argv[2])),"
+             " timeout=5).close()\nexcept OSError:\n    sys.exit(1)")
+    wrap = [] if hosts is None else hosts.wrap(i)
+    return subprocess.run([*wrap, sys.executable, "-c", probe, address, str(port)],
+                          timeout=30).returncode == 0
+
+
+def cut_link_fails_fast(pair, hosts: Hosts) -> None:
+    """The rendezvous listens on the configured address only: reachable there from the attention
+    host, refused on the FFN host's loopback. Then the FFN rank 0 host is unplugged mid-decode: no
+    connection closes, so only the step timeout can end the wait. The request fails within it
+    and the attention role stops (status 3, ``reconnect_timeout_s`` 0); plugged back in, every
+    FFN rank learns its peer is gone and waits for the next attention role."""
+    attention, port = pair.attention, pair.port
+    ffn_host = len(pair.attention_ranks)  # afd_pair: attention ranks on hosts 0.., then FFN
+    assert _connects(hosts, 0, hosts.address(ffn_host), port)
+    assert not _connects(hosts, ffn_host, "127.0.0.1", port)
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(long_request, attention)
+        time.sleep(1.5)
+        assert not fut.done(), "generation finished before the cut; make it longer"
+        cut = time.monotonic()
+        hosts.cut(ffn_host)
+        status, detail = fut.result(timeout=CUT_STEP_TIMEOUT_S + 30)
+        took = time.monotonic() - cut
+    say(f"link to the FFN host cut: in-flight request ended with {status} after {took:.1f} s")
+    assert status != 200 and took <= CUT_STEP_TIMEOUT_S + 10, (status, detail)
+    assert wait_gone([attention], 30), attention.log_tail()
+    assert attention.proc.returncode == FAILED_EXIT_CODE
+    log = attention.log_path.read_text(errors="replace")
+    assert f"within {float(CUT_STEP_TIMEOUT_S)} s" in log, attention.log_tail()
+    hosts.restore(ffn_host)
+    end = time.monotonic() + 120
+    while True:
+        states = [json.loads(_get(s.url + "/health"))["ranks"][0] for s in pair.ffn_ranks]
+        if all(r["state"] == "waiting" for r in states) or time.monotonic() > end:
+            break
+        time.sleep(1)
+    say(f"every FFN rank waits for the next attention role {time.monotonic() - cut:.1f} s "
+        f"after the cut: {states}")
+    assert all(r["state"] == "waiting" for r in states), [s.log_tail() for s in pair.ffn_ranks]
+    assert not any(s.exited() for s in pair.ffn_ranks)
 
 
 def sigterm_ends_both(pair, servers) -> None:
