@@ -152,8 +152,8 @@ def test_a_step_interrupted_by_a_lost_ffn_role_runs_again_on_the_next(failures):
     assert torch.equal(s.run_forward(lambda: layers(s, x)), expected(x))  # world 0, step 0
     ffn.die_at = (0, 2)  # world 0 dies in step 1, at layer 2
     t, out = in_thread(lambda: s.run_forward(lambda: layers(s, x)))
-    wait_until(lambda: role_status.waiting())
-    status = role_status.waiting()[0]
+    wait_until(lambda: role_status.read("attention"))
+    status = role_status.read("attention")[0]
     assert status["rank"] == 0 and "connection closed by peer" in status["reason"]
     assert status["reconnect_timeout_s"] == 30
     time.sleep(0.2)
@@ -167,7 +167,7 @@ def test_a_step_interrupted_by_a_lost_ffn_role_runs_again_on_the_next(failures):
     # The next world's first step is the whole interrupted forward, from its first layer.
     assert new.calls == [("step", 0, (3,)), ("send", 1, 0, 3), ("send", 2, 0, 3),
                          ("send", 3, 0, 3), ("end",)]
-    assert role_status.waiting() == [] and failures == [] and s.worlds == 2
+    assert role_status.read("attention") == [] and failures == [] and s.worlds == 2
 
 
 def test_a_loss_while_idle_is_ridden_through_before_the_next_step(failures):
@@ -205,7 +205,7 @@ def test_no_ffn_role_within_reconnect_timeout_fails_the_step_and_the_role(failur
     # Reported (lifecycle.mark_failed logs once), and not ended from outside: the step raised.
     assert failures and all("no FFN role came back" in f for f in failures)
     assert "exit" not in failures
-    assert role_status.waiting() == []
+    assert role_status.read("attention") == []
 
 
 def test_an_idle_role_past_reconnect_timeout_is_ended_from_outside(failures):
@@ -227,7 +227,7 @@ def test_reconnect_timeout_zero_keeps_failing_fast(failures):
     ffn.die_at = (0, 3)
     with pytest.raises(AFDPeerError, match="connection closed by peer"):
         s.run_forward(lambda: layers(s, torch.ones(1, 4)))
-    assert len(failures) == 1 and len(ffn.worlds) == 1 and role_status.waiting() == []
+    assert len(failures) == 1 and len(ffn.worlds) == 1 and role_status.read("attention") == []
 
 
 def test_a_split_step_interrupted_in_its_second_micro_batch_runs_again_whole(failures):

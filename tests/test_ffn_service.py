@@ -140,3 +140,101 @@ def test_one_ffn_role_serves_world_after_world(connector, stages):
         for commands, _ in service.links:
             commands.put("stop")
         join_or_kill(service.procs, timeout_s=15)
+
+
+def _riding_attention_rank(spec: Spec, rank: int, steps_after: int, q) -> None:
+    """An attention rank as the attention worker runs it (``AttentionSession``), checking every
+    result row by row, until it served ``steps_after`` steps on a second FFN world."""
+    import logging
+    import traceback
+
+    import torch
+
+    from afd_attention.session import AttentionSession
+    from afd_common.registry import resolve_connector
+    from afd_common.selftest import expected, expected_async, make_inputs, tokens
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    try:
+        config, shape = spec.config("attention"), spec.shape()
+        cls = resolve_connector(spec.connector, "attention")
+        want_fn = expected_async if cls.supports_async_dp or spec.sharded else expected
+        session = AttentionSession(config, cls(config, rank, shape), rank,
+                                   new_connector=lambda cfg: cls(cfg, rank, shape))
+        session.start_connecting()
+        session.startup_done()
+        step, after, end = 0, 0, time.monotonic() + 120
+        while after < steps_after:
+            n = tokens(step, rank, 0) + 1
+
+            def forward(step=step, n=n):
+                for layer in range(spec.num_layers):
+                    x, ids, w = make_inputs(spec, step, rank, layer, 0, n)
+                    out = session.remote_experts(f"model.layers.{layer}.mlp.experts", x, w, ids)
+                    if not torch.equal(out, want_fn(x, layer, 0, ids, w)):
+                        raise AssertionError(f"rank {rank} step {step} layer {layer} differs")
+                return session.worlds
+
+            worlds = session.run_forward(forward)
+            after += worlds >= 2
+            q.put(("step", rank, step))
+            step += 1
+            if time.monotonic() > end:
+                raise TimeoutError(f"{step} steps, {after} on the second FFN world")
+        q.put(("ok", rank, {"steps": step, "worlds": session.worlds}))
+        session.close()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        q.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+@pytest.mark.parametrize("connector,A,F,stages", [("P2pAFDConnector", 2, 1, 2),
+                                                  ("CAMP2pAFDConnector", 1, 2, 2),
+                                                  ("CAMAsyncAFDConnector", 2, 2, 1)])
+def test_attention_ranks_ride_through_a_killed_ffn_role(connector, A, F, stages):
+    """SIGKILL every FFN rank mid-run and start new ones: each attention rank (A > F, A < F,
+    A = F) closes the lost world, joins the new one and runs the interrupted step again; every
+    result of every step is exact."""
+    spec = Spec(A, F, connector=connector, num_layers=3, stages=stages, gate_on_attention=True,
+                sharded=F > 1, timeout_s=20, port=free_port(),
+                extra={"reconnect_timeout_s": 60})
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ranks = [ctx.Process(target=_riding_attention_rank, args=(spec, a, 20, q), daemon=True)
+             for a in range(A)]
+    service = Service(spec, F)
+    for p in ranks:
+        p.start()
+    done: dict[int, tuple] = {}
+    steps = [0] * A
+
+    def drain(until, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while not until() and time.monotonic() < end:
+            try:
+                kind, rank, detail = q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if kind == "step":
+                steps[rank] = detail + 1
+            else:
+                done[rank] = (kind, detail)
+
+    try:
+        drain(lambda: min(steps) >= 10 or done, 60)
+        assert not done and min(steps) >= 10, (steps, done)
+        for p in service.procs:
+            p.kill()
+        join_or_kill(service.procs)
+        killed_at = list(steps)
+        time.sleep(1)
+        service = Service(spec, F)
+        drain(lambda: len(done) == A, 120)
+        print(f"{connector} {A}A{F}F: FFN ranks killed after steps {killed_at}; {done}")
+        assert all(done.get(a, ("missing",))[0] == "ok" for a in range(A)), done
+        assert all(detail["worlds"] == 2 for _, detail in done.values()), done
+    finally:
+        for commands, _ in service.links:
+            commands.put("stop")
+        join_or_kill(service.procs, timeout_s=15)
+        join_or_kill(ranks)

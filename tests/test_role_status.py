@@ -24,7 +24,7 @@ def test_health_is_503_with_the_reason_while_a_rank_waits_and_vllms_own_otherwis
     client = TestClient(app)
     assert client.get("/health").json() == {"vllm": "ok"}
 
-    role_status.set_waiting(1, {"rank": 1, "reason": "attention rank 1: the FFN role is gone",
+    role_status.publish("attention", 1, {"rank": 1, "reason": "attention rank 1: the FFN role is gone",
                                 "lost_at": 0.0, "reconnect_timeout_s": 120.0})
     r = client.get("/health")
     assert r.status_code == 503
@@ -34,9 +34,9 @@ def test_health_is_503_with_the_reason_while_a_rank_waits_and_vllms_own_otherwis
     assert body["ranks"][0]["reason"] == "attention rank 1: the FFN role is gone"
     assert client.get("/v1/models").status_code == 200  # other paths are vLLM's
 
-    role_status.clear(1)
+    role_status.clear("attention", 1)
     assert client.get("/health").status_code == 200
-    role_status.set_waiting(0, {"rank": 0})
+    role_status.publish("attention", 0, {"rank": 0})
     role_status.remove_all()  # the server root at exit
     assert not (tmp_path / "afd-status-31337").exists()
     assert client.get("/health").status_code == 200
@@ -44,5 +44,41 @@ def test_health_is_503_with_the_reason_while_a_rank_waits_and_vllms_own_otherwis
 
 def test_no_server_root_means_no_status_files(monkeypatch):
     monkeypatch.delenv(SERVER_PID_ENV, raising=False)
-    role_status.set_waiting(0, {"rank": 0})  # outside a vLLM server: nothing to tell
-    assert role_status.waiting() == []
+    role_status.publish("attention", 0, {"rank": 0})  # outside a vLLM server: nothing to tell
+    assert role_status.read("attention") == []
+
+
+def test_ffn_health_is_what_the_ranks_published_and_vllms_engine_check(monkeypatch, tmp_path):
+    import time
+
+    from fastapi.responses import JSONResponse
+
+    from afd_common.patches.api_server import add_ffn_guard
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv(SERVER_PID_ENV, "31338")
+    engine = {"ok": True}
+    app = FastAPI()
+    app.get("/health")(lambda: JSONResponse({}, status_code=200 if engine["ok"] else 503))
+    add_ffn_guard(app)
+    client = TestClient(app)
+    assert client.get("/health").status_code == 503  # no rank published yet
+
+    for rank in (0, 1):
+        role_status.publish("ffn", rank, {"rank": rank, "state": "serving", "healthy": True,
+                                         "steps": 7, "last_step_at": time.time() - 2.0})
+    r = client.get("/health")
+    assert r.status_code == 200 and r.json()["healthy"]
+    ranks = r.json()["ranks"]
+    assert [s["rank"] for s in ranks] == [0, 1]
+    assert 1.9 < ranks[0]["seconds_since_last_step"] < 10 and "last_step_at" not in ranks[0]
+
+    role_status.publish("ffn", 1, {"rank": 1, "state": "failed", "healthy": False,
+                                   "error": "AFDPeerError: boom", "last_step_at": None})
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["ranks"][1]["error"] == "AFDPeerError: boom"
+    role_status.clear("ffn", 1)
+    engine["ok"] = False  # the engine died: vLLM's check decides
+    r = client.get("/health")
+    assert r.status_code == 503 and "engine" in r.json()["error"]
+    assert client.post("/v1/completions").status_code == 400  # still no generation here

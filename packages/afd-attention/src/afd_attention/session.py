@@ -195,7 +195,7 @@ class AttentionSession:
         logger.warning("AFD: %s -- waiting up to %g s (reconnect_timeout_s) for an FFN role "
                        "at %s:%d; requests in flight resume when one is back", reason, budget,
                        c.host, c.port)
-        role_status.set_waiting(self.rank, {"rank": self.rank, "reason": reason,
+        role_status.publish("attention", self.rank, {"rank": self.rank, "reason": reason,
                                             "lost_at": time.time(),
                                             "reconnect_timeout_s": budget})
         try:
@@ -227,7 +227,7 @@ class AttentionSession:
                 with self._lock:
                     self._down_since = None
                     self.step = 0
-                role_status.clear(self.rank)
+                role_status.clear("attention", self.rank)
                 logger.info("AFD attention rank %d: an FFN role is back after %.1f s", self.rank,
                             time.monotonic() - deadline + budget)
                 self.connected(connector)
@@ -236,7 +236,7 @@ class AttentionSession:
                 return
             raise AFDPeerError(f"{last}")
         except BaseException as e:  # noqa: BLE001 - the ride-through ends here: so does the role
-            role_status.clear(self.rank)
+            role_status.clear("attention", self.rank)
             if self.closed:
                 return
             if not isinstance(e, AFDError):
@@ -388,4 +388,4 @@ class AttentionSession:
         with self._lock:
             connector = self.connector
         connector.close()
-        role_status.clear(self.rank)
+        role_status.clear("attention", self.rank)

@@ -1,12 +1,12 @@
-"""What an attention worker waiting for its FFN role tells its server's ``/health``: a file.
+"""What the workers tell their server's ``/health``: a small file per rank, never a call.
 
-While an attention rank waits for an FFN role to come back it serves nothing, and a load
-balancer must hear so (503). Asking the workers on every probe (vLLM's ``collective_rpc``) would
-wake them: vLLM's shared-memory queue reader spins for a second after each message, so a prober
-keeps an idle worker on a full core and starves the very role it waits for on a small machine.
-So the worker writes one small JSON file while it waits, in a folder named after its server's
-root process, and the API server's ``/health`` only reads that folder (no file: vLLM's own
-answer).
+The FFN role's ranks publish their serving loop's state (starting, waiting for an attention
+role, serving, failed); an attention rank publishes only while it waits for an FFN role to come
+back. Asking the workers on every probe instead (vLLM's ``collective_rpc``) wakes them: vLLM's
+shared-memory queue reader spins for a second after each message, and a prober polling twice a
+second kept an FFN worker's serving thread from running for tens of seconds (measured: a 2 s
+pause took over 20 s) and an idle attention worker on a full core. The files live in a folder
+named after the server's root process; the API server's ``/health`` only reads it.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ def status_dir() -> Path | None:
     return Path(tempfile.gettempdir()) / f"afd-status-{pid}" if pid else None
 
 
-def _file(rank: int) -> Path | None:
+def _file(role: str, rank: int) -> Path | None:
     folder = status_dir()
-    return None if folder is None else folder / f"attention-{rank}.json"
+    return None if folder is None else folder / f"{role}-{rank}.json"
 
 
-def set_waiting(rank: int, status: dict) -> None:
-    path = _file(rank)
+def publish(role: str, rank: int, status: dict) -> None:
+    path = _file(role, rank)
     if path is None:
         return
     path.parent.mkdir(mode=0o700, exist_ok=True)
@@ -40,22 +40,22 @@ def set_waiting(rank: int, status: dict) -> None:
     os.replace(tmp, path)  # a reader sees the old status or the new one, never half of one
 
 
-def clear(rank: int) -> None:
-    path = _file(rank)
+def clear(role: str, rank: int) -> None:
+    path = _file(role, rank)
     if path is not None:
         path.unlink(missing_ok=True)
 
 
-def waiting() -> list[dict]:
-    """The statuses of the ranks that wait now, by rank."""
+def read(role: str) -> list[dict]:
+    """The statuses ``role``'s ranks published, by rank."""
     folder = status_dir()
     if folder is None or not folder.is_dir():
         return []
     out = []
-    for path in sorted(folder.glob("attention-*.json")):
+    for path in sorted(folder.glob(f"{role}-*.json")):
         try:
             out.append(json.loads(path.read_text()))
-        except (OSError, ValueError):  # removed or replaced while we read: not waiting then
+        except (OSError, ValueError):  # removed or replaced while we read
             continue
     return out
 

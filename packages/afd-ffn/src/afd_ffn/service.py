@@ -20,7 +20,7 @@ import time
 
 from afd_common.config import AFDConfig
 from afd_common.errors import AFDError, AFDTimeoutError
-from afd_common import lifecycle
+from afd_common import lifecycle, role_status
 from afd_common.metadata import ModelShape
 from afd_common.model_thread import enter_model_thread
 from afd_common.registry import resolve_connector
@@ -33,6 +33,9 @@ logger = logging.getLogger("vllm.afd")
 # After a world ended badly, before waiting for the next: FFN ranks other than 0 must not find
 # rank 0's old rendezvous still up, and a role that keeps failing must not spin.
 NEXT_WORLD_PAUSE_S = 2.0
+# How often a serving rank refreshes what ``/health`` reads (its step count and last step); state
+# changes are published at once.
+PUBLISH_EVERY_S = 1.0
 # What forming a world says while rank 0's last rendezvous is still closing.
 _OLD_WORLD_CLOSING = ("is already taken by another process", "Address already in use",
                       "lost the rendezvous")
@@ -45,7 +48,7 @@ class FFNService:
         self.vllm_config = vllm_config
         self.compute = compute
         self.device = device
-        self.state = "starting"
+        self._state = "starting"
         self.error: str | None = None  # why the last attention world ended, if not by a stop
         self.worlds = 0
         self.runner: SyncFFNRunner | AsyncFFNRunner | None = None
@@ -59,8 +62,32 @@ class FFNService:
         return resolve_connector(self.config.connector, "ffn")(self.config, self.rank,
                                                                self.shape, self.device)
 
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = value
+        self._publish()
+
+    def _publish(self) -> None:
+        """What this rank's server's ``/health`` reads (afd_common.role_status)."""
+        status = self.status()
+        since = status.pop("seconds_since_last_step")
+        status["last_step_at"] = None if since is None else time.time() - since
+        role_status.publish("ffn", self.rank, status)
+
     def start(self) -> None:
+        self._publish()
         self._thread.start()
+        threading.Thread(target=self._publish_loop, name=f"afd-ffn-status-{self.rank}",
+                         daemon=True).start()
+
+    def _publish_loop(self) -> None:
+        while not self._stop.wait(PUBLISH_EVERY_S):
+            if self._state == "serving":
+                self._publish()
 
     def _run(self) -> None:
         try:
@@ -68,7 +95,8 @@ class FFNService:
             while not self._stop.is_set():
                 self._serve_one_world()
         except BaseException as e:  # noqa: BLE001 - reported through /health and the log
-            self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+            self.error = f"{type(e).__name__}: {e}"
+            self.state = "failed"
             if not self._stop.is_set():
                 if not isinstance(e, AFDError):
                     logger.exception("AFD FFN rank %d: unexpected error", self.rank)
@@ -116,6 +144,7 @@ class FFNService:
                 self._stop.wait(NEXT_WORLD_PAUSE_S / 4)
                 return
             self.error = f"{type(e).__name__}: {e}"
+            self._publish()
             logger.warning("AFD FFN rank %d: attention world ended: %s -- waiting for the next "
                            "attention role", self.rank, self.error)
             self._stop.wait(NEXT_WORLD_PAUSE_S)
@@ -132,8 +161,8 @@ class FFNService:
 
     def status(self) -> dict:
         runner = self.runner
-        return {"rank": self.rank, "state": self.state,
-                "healthy": self.state in ("starting", "waiting", "serving"),
+        return {"rank": self.rank, "state": self._state,
+                "healthy": self._state in ("starting", "waiting", "serving"),
                 "steps": self._steps_before + (runner.steps_done if runner else 0),
                 "attention_worlds": self.worlds,
                 "seconds_since_last_step": (round(time.monotonic() - runner.last_step_at, 3)

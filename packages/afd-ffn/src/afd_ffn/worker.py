@@ -24,12 +24,6 @@ class AFDFFNWorkerMixin(MetricsWorkerMixin):
     def execute_dummy_batch(self) -> None:
         pass
 
-    def afd_ffn_status(self) -> dict:
-        service = getattr(self.model_runner, "afd_service", None)
-        if service is None:
-            return {"state": "loading", "healthy": True}
-        return service.status()
-
     def shutdown(self):
         runner = getattr(self, "model_runner", None)
         if isinstance(runner, AFDFFNRunnerMixin) and runner.afd_service is not None:

@@ -2,9 +2,9 @@
 the FFN role a clear refusal of generation requests.
 
 vLLM's own ``/health`` asks only whether the engine process is alive. The FFN role is healthy
-when its FFN loop is, so its ``/health`` asks every worker of every engine (``afd_ffn_status``).
-The attention role is not healthy while a rank waits for an FFN role to come back: its
-``/health`` answers 503 with the reason the waiting workers left (afd_common.role_status).
+when that and its ranks' serving loops are; the attention role is not while a rank waits for an
+FFN role to come back (503 with the reason). Both read what the workers published
+(afd_common.role_status), so a probe never wakes a worker.
 Installed by wrapping ``init_entrypoints_middleware``, which ``build_app`` looks up at call time.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 from afd_common.config import parse_afd_config
 from afd_common.patching import PatchSet
@@ -37,17 +38,23 @@ def _afd_section(args) -> dict | None:
 def add_ffn_guard(app) -> None:
     from fastapi.responses import JSONResponse
 
+    from afd_common import role_status
+
     async def afd_ffn_guard(request, call_next):
         path = request.url.path
         if path == "/health":
-            try:
-                states = await ask_workers(request.app.state.engine_client, "afd_ffn_status")
-            except Exception as e:  # noqa: BLE001 - any failure means not healthy
-                return JSONResponse({"afd_role": "ffn", "healthy": False, "error": repr(e)},
-                                    status_code=503)
-            healthy = bool(states) and all(s.get("healthy") for s in states)
-            return JSONResponse({"afd_role": "ffn", "healthy": healthy, "ranks": states},
-                                status_code=200 if healthy else 503)
+            engine = await call_next(request)  # vLLM's: the engine is alive
+            states = role_status.read("ffn")
+            now = time.time()
+            for s in states:
+                last = s.pop("last_step_at", None)
+                s["seconds_since_last_step"] = None if last is None else round(now - last, 3)
+            healthy = engine.status_code == 200 and bool(states) and all(
+                s.get("healthy") for s in states)
+            body = {"afd_role": "ffn", "healthy": healthy, "ranks": states}
+            if engine.status_code != 200:
+                body["error"] = f"vLLM's engine is not healthy ({engine.status_code})"
+            return JSONResponse(body, status_code=200 if healthy else 503)
         if path.startswith(ALLOWED_PATHS) or not path.startswith("/v"):
             return await call_next(request)
         return JSONResponse({"error": {"message": FFN_REFUSAL, "type": "BadRequestError",
@@ -64,7 +71,7 @@ def add_attention_health(app) -> None:
     async def afd_attention_health(request, call_next):
         if request.url.path != "/health":
             return await call_next(request)
-        waiting = role_status.waiting()
+        waiting = role_status.read("attention")
         if not waiting:
             return await call_next(request)
         return JSONResponse({"afd_role": "attention", "healthy": False,
