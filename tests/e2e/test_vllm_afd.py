@@ -188,9 +188,11 @@ def test_afd_matches_colocated_then_the_ffn_role_outlives_its_attention_role(cas
         if case.attention_restart:
             the_ffn_role_outlives_a_killed_attention_role(pair, case, colocated, logs)
 
-        # The FFN role's front end refuses generation and reports its loop.
+        # The FFN role's front end refuses generation and reports the loops of the ranks it
+        # runs (on hosts: its own; a headless rank's failure ends its engine, which vLLM's check
+        # reports).
         status = json.loads(_get(pair.ffn.url + "/health"))
-        assert status["healthy"] and len(status["ranks"]) == case.F
+        assert status["healthy"] and len(status["ranks"]) == (1 if case.hosts else case.F)
         assert all(rank["steps"] > 0 for rank in status["ranks"])
         with pytest.raises(Exception, match="400"):
             complete(pair.ffn, PROMPTS[:1])
@@ -390,14 +392,16 @@ def cut_link_fails_fast(pair, hosts: Hosts) -> None:
     assert f"within {float(CUT_STEP_TIMEOUT_S)} s" in log, attention.log_tail()
     hosts.restore(ffn_host)
     end = time.monotonic() + 120
-    while True:
-        states = [json.loads(_get(s.url + "/health"))["ranks"][0] for s in pair.ffn_ranks]
-        if all(r["state"] == "waiting" for r in states) or time.monotonic() > end:
+    while True:  # the front end's rank by /health, the headless one (no HTTP) by its log
+        state = json.loads(_get(pair.ffn.url + "/health"))["ranks"][0]["state"]
+        logged = all("waiting for the next attention role" in s.log_path.read_text(
+            errors="replace") for s in pair.ffn_ranks[1:])
+        if (state == "waiting" and logged) or time.monotonic() > end:
             break
         time.sleep(1)
     say(f"every FFN rank waits for the next attention role {time.monotonic() - cut:.1f} s "
-        f"after the cut: {states}")
-    assert all(r["state"] == "waiting" for r in states), [s.log_tail() for s in pair.ffn_ranks]
+        f"after the cut")
+    assert state == "waiting" and logged, [s.log_tail() for s in pair.ffn_ranks]
     assert not any(s.exited() for s in pair.ffn_ranks)
 
 

@@ -86,10 +86,13 @@ class Rendezvous:
         while True:
             left = limit - (time.monotonic() - start)
             try:
+                # A plain connect first: a TCPStore client that finds nobody there logs a C++
+                # stack trace per attempt, a wall of them over a long wait for the other role.
+                socket.create_connection((host, port), timeout=max(0.5, min(5.0, left))).close()
                 self.store = dist.TCPStore(host, port, None, False,
                                            timedelta(seconds=max(1.0, min(5.0, left))))
                 return
-            except (RuntimeError, dist.DistStoreError) as e:
+            except (OSError, RuntimeError, dist.DistStoreError) as e:
                 now = time.monotonic()
                 if now - start >= limit:
                     raise AFDTimeoutError(f"{what}: no AFD rendezvous at {host}:{port} after "
