@@ -153,6 +153,14 @@ class AFDAttentionRunnerMixin:
         finally:
             session.metrics.step(time.perf_counter() - start)
 
+    def _dummy_run(self, *args, **kwargs):
+        # An idle DP rank's dummy batch calls the model directly, not through _model_forward: it
+        # is a step for the FFN role all the same, and is run again the same way.
+        session, dummy_run = self.afd_session, super()._dummy_run
+        if session is None:
+            return dummy_run(*args, **kwargs)
+        return session.run_forward(lambda: dummy_run(*args, **kwargs))
+
     def _afd_split_forward(self, split, input_ids, positions, intermediate_tensors,
                            inputs_embeds, model_kwargs):
         if intermediate_tensors is not None or model_kwargs:
