@@ -137,6 +137,17 @@ def long_request(server: Server, max_tokens: int = 400):
         return "connection", repr(e)
 
 
+def get(url: str, ok_only: bool = True) -> str:
+    """The body at ``url``; with ``ok_only`` False, also that of an error status."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.read().decode()
+    except urllib.error.HTTPError as e:
+        if ok_only:
+            raise
+        return e.read().decode()
+
+
 def kill_all(server: Server) -> None:
     """SIGKILL every process of the server, as a crashed host would."""
     for pid in server.pids():

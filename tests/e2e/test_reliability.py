@@ -6,8 +6,6 @@ import concurrent.futures as cf
 import json
 import os
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from afd_common.selftest import free_port
 from afd_common.tiny_model import write_tiny_model
 
 from .conftest import AUTH_SECRET as SECRET
-from .conftest import afd_pair, kill_all, long_request, run_mixed, say
+from .conftest import afd_pair, get, kill_all, long_request, run_mixed, say
 
 pytestmark = pytest.mark.e2e
 
@@ -150,7 +148,7 @@ def test_an_ffn_role_gone_past_reconnect_timeout_fails_requests_and_ends_the_att
         kill_all(pair.ffn)
         while pair.attention.health() != 503 and time.monotonic() < killed + RECONNECT_S:
             time.sleep(0.2)
-        waiting = json.loads(_get_status(pair.attention))
+        waiting = json.loads(get(pair.attention.url + "/health", ok_only=False))
         status, detail = fut.result(timeout=RECONNECT_S + 30)
         took = time.monotonic() - killed
     say(f"SIGKILL FFN, none started: /health said {waiting}; the in-flight request ended with "
@@ -163,12 +161,3 @@ def test_an_ffn_role_gone_past_reconnect_timeout_fails_requests_and_ends_the_att
     assert pair.attention.proc.returncode == FAILED_EXIT_CODE
     log = pair.attention.log_path.read_text(errors="replace")
     assert f"no FFN role came back within reconnect_timeout_s ({RECONNECT_S} s)" in log
-
-
-def _get_status(server: Server) -> str:
-    """The body of /health, whatever its status."""
-    try:
-        with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
-            return r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.read().decode()

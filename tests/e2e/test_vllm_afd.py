@@ -9,8 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
 import pytest
@@ -22,7 +20,7 @@ from afd_common.placement import ExpertPlacement
 from afd_common.bench.hosts import Hosts
 
 from .conftest import (AUTH_SECRET, FAMILY_CONTROLS, NUM_EXPERTS, NUM_PROMPTS, RIDE_THROUGH_TOKENS,
-                       SHARDED_CONTROL_RANKS, RequestStream, afd_pair, kill_all, long_request,
+                       SHARDED_CONTROL_RANKS, RequestStream, afd_pair, get, kill_all, long_request,
                        say)
 
 pytestmark = pytest.mark.e2e
@@ -167,7 +165,7 @@ def test_afd_matches_colocated_then_the_ffn_role_outlives_its_attention_role(cas
             assert f"split into {case.m} micro-batches" in pair.attention.log_path.read_text()
         if case.ngram:  # the proposer really proposed, and the target accepted some
             accepted = sum(float(line.rsplit(" ", 1)[1]) for line in
-                           _get(pair.attention.url + "/metrics").splitlines()
+                           get(pair.attention.url + "/metrics").splitlines()
                            if line.startswith("vllm:spec_decode_num_accepted_tokens_total"))
             say(f"{case.id}: {accepted:.0f} speculated tokens accepted")
             assert accepted > 0
@@ -191,7 +189,7 @@ def test_afd_matches_colocated_then_the_ffn_role_outlives_its_attention_role(cas
         # The FFN role's front end refuses generation and reports the loops of the ranks it
         # runs (on hosts: its own; a headless rank's failure ends its engine, which vLLM's check
         # reports).
-        status = json.loads(_get(pair.ffn.url + "/health"))
+        status = json.loads(get(pair.ffn.url + "/health"))
         assert status["healthy"] and len(status["ranks"]) == (1 if case.hosts else case.F)
         assert all(rank["steps"] > 0 for rank in status["ranks"])
         with pytest.raises(Exception, match="400"):
@@ -227,7 +225,7 @@ def check_weights(pair, case: Case, model_dir) -> None:
 def afd_series(server) -> dict[str, float]:
     """The afd_* samples of a server's /metrics, by name and labels."""
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in _get(server.url + "/metrics").splitlines() if line.startswith("afd_")}
+            for line in get(server.url + "/metrics").splitlines() if line.startswith("afd_")}
 
 
 def check_metrics(pair, case: Case) -> None:
@@ -305,7 +303,7 @@ def ffn_restarts_under_load(pair, case: Case, colocated, logs) -> None:
             assert wait_gone(pair.ffn_ranks, 30), [s.log_tail() for s in pair.ffn_ranks]
             while pair.attention.health() != 503 and time.monotonic() < lost + 10:
                 time.sleep(0.2)
-            waiting = json.loads(_get(pair.attention.url + "/health", ok_only=False))
+            waiting = json.loads(get(pair.attention.url + "/health", ok_only=False))
             assert not waiting["healthy"] and waiting["ranks"], waiting
             time.sleep(max(0.0, lost + 10 - time.monotonic()))
             pair.ffn_ranks = [dataclasses.replace(  # same flags, cores, host and port
@@ -335,7 +333,7 @@ def the_ffn_role_outlives_a_killed_attention_role(pair, case: Case, colocated, l
     killed = time.monotonic()
     kill_all(old)
     while True:  # the loop closes the lost world, then waits for the next
-        ranks = json.loads(_get(pair.ffn.url + "/health"))["ranks"]
+        ranks = json.loads(get(pair.ffn.url + "/health"))["ranks"]
         if all(r["state"] == "waiting" for r in ranks) or time.monotonic() > killed + 30:
             break
         time.sleep(0.5)
@@ -349,7 +347,7 @@ def the_ffn_role_outlives_a_killed_attention_role(pair, case: Case, colocated, l
     problems = compare(complete(pair.attention, PROMPTS[:NUM_PROMPTS]), colocated[case.arch])
     assert not problems, "\n".join(problems)
     assert [s.proc.pid for s in pair.ffn_ranks] == pids
-    ranks = json.loads(_get(pair.ffn.url + "/health"))["ranks"]
+    ranks = json.loads(get(pair.ffn.url + "/health"))["ranks"]
     assert all(r["attention_worlds"] == 2 for r in ranks), ranks
 
 
@@ -393,7 +391,7 @@ def cut_link_fails_fast(pair, hosts: Hosts) -> None:
     hosts.restore(ffn_host)
     end = time.monotonic() + 120
     while True:  # the front end's rank by /health, the headless one (no HTTP) by its log
-        state = json.loads(_get(pair.ffn.url + "/health"))["ranks"][0]["state"]
+        state = json.loads(get(pair.ffn.url + "/health"))["ranks"][0]["state"]
         logged = all("waiting for the next attention role" in s.log_path.read_text(
             errors="replace") for s in pair.ffn_ranks[1:])
         if (state == "waiting" and logged) or time.monotonic() > end:
@@ -432,7 +430,7 @@ def sigterm_attention_then_ffn(pair) -> None:
     assert all(s.proc.returncode == 0 for s in pair.attention_ranks), "stopped on purpose: 0"
     end = time.monotonic() + 30
     while True:
-        ranks = json.loads(_get(pair.ffn.url + "/health"))["ranks"]
+        ranks = json.loads(get(pair.ffn.url + "/health"))["ranks"]
         if all(r["state"] == "waiting" for r in ranks) or time.monotonic() > end:
             break
         time.sleep(0.5)
@@ -446,17 +444,6 @@ def sigterm_attention_then_ffn(pair) -> None:
     assert wait_gone(pair.servers, 30), "\n".join(
         f"{s.name}: processes left {s.pids()}\n{s.log_tail()}" for s in pair.ffn_ranks)
     assert all(s.proc.returncode == 0 for s in pair.ffn_ranks), "stopped on purpose: 0"
-
-
-def _get(url: str, ok_only: bool = True) -> str:
-    """The body at ``url``; with ``ok_only`` False, also that of an error status."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.read().decode()
-    except urllib.error.HTTPError as e:
-        if ok_only:
-            raise
-        return e.read().decode()
 
 
 @dataclass(frozen=True)
