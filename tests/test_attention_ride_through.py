@@ -285,3 +285,36 @@ def test_a_forward_interrupted_too_often_fails(failures):
                                            "times"):
         s.run_forward(lambda: layers(s, torch.ones(1, 4)))
     assert any("interrupted" in f for f in failures)
+
+
+def test_an_interrupted_dummy_batch_runs_only_its_model_call_again(failures):
+    """An idle DP rank's dummy batch first agrees on the batch with the other DP ranks (a
+    collective the ranks running real steps make once per step), then calls the model: only the
+    model call may run again, or this rank waits in a collective nobody else joins (the e2e
+    CAMP2p 2A2F restart under load hung so)."""
+    from afd_attention.runner import AFDAttentionRunnerMixin
+
+    class VLLMRunner:  # what the mixin wraps
+        def __init__(self, model):
+            self.model, self.agreed = model, 0
+
+        def _dummy_run(self, x):
+            self.agreed += 1  # vLLM: _determine_batch_execution_and_padding, across DP
+            return self.model(x)
+
+    class Runner(AFDAttentionRunnerMixin, VLLMRunner):
+        pass
+
+    ffn = FFNRole()
+    ffn.up.set()
+    ffn.restart_s = 0.2
+    s = start(ffn)
+    model = lambda x: layers(s, x)  # noqa: E731
+    runner = Runner(model)
+    runner.afd_session = s
+    x = torch.ones(2, 4)
+    ffn.die_at = (0, 3)
+    assert torch.equal(runner._dummy_run(x), expected(x))
+    assert runner.agreed == 1 and runner.model is model
+    assert [c for c in ffn.worlds[1].calls if c[0] == "step"] == [("step", 0, (2,))]
+    assert failures == []

@@ -82,3 +82,34 @@ def test_ffn_health_is_what_the_ranks_published_and_vllms_engine_check(monkeypat
     r = client.get("/health")
     assert r.status_code == 503 and "engine" in r.json()["error"]
     assert client.post("/v1/completions").status_code == 400  # still no generation here
+
+
+def test_two_threads_of_a_rank_publish_at_once_and_a_removed_folder_is_no_failure(
+        monkeypatch, tmp_path, caplog):
+    """An FFN rank publishes from its serving thread (state changes) and its refresh thread; in
+    the fresh-clone run both once wrote the same temporary file, and the loser's rename failed
+    the rank. A status that cannot be written is logged, never the end of the rank."""
+    import threading
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv(SERVER_PID_ENV, "31338")
+    errors: list = []
+
+    def publish_many(state):
+        try:
+            for i in range(300):
+                role_status.publish("ffn", 0, {"rank": 0, "state": state, "i": i})
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+    threads = [threading.Thread(target=publish_many, args=(s,)) for s in ("serving", "waiting")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(role_status.read("ffn")) == 1
+    assert not list(role_status.status_dir().glob("*.tmp"))
+
+    role_status.remove_all()
+    role_status.status_dir().write_text("not a folder")  # what a publish cannot write into
+    role_status.publish("ffn", 0, {"rank": 0})
+    assert "could not publish ffn rank 0's status" in caplog.text

@@ -155,11 +155,18 @@ class AFDAttentionRunnerMixin:
 
     def _dummy_run(self, *args, **kwargs):
         # An idle DP rank's dummy batch calls the model directly, not through _model_forward: it
-        # is a step for the FFN role all the same, and is run again the same way.
-        session, dummy_run = self.afd_session, super()._dummy_run
+        # is a step for the FFN role all the same, and its model call is run again the same way.
+        # Only the model call: the rest of the dummy run agrees on the batch with the other DP
+        # ranks (a collective), which must happen once, as on the ranks running real steps.
+        session = self.afd_session
         if session is None:
-            return dummy_run(*args, **kwargs)
-        return session.run_forward(lambda: dummy_run(*args, **kwargs))
+            return super()._dummy_run(*args, **kwargs)
+        model = self.model
+        self.model = _RerunOnLoss(model, session)
+        try:
+            return super()._dummy_run(*args, **kwargs)
+        finally:
+            self.model = model
 
     def _afd_split_forward(self, split, input_ids, positions, intermediate_tensors,
                            inputs_embeds, model_kwargs):
@@ -206,6 +213,20 @@ class AFDAttentionRunnerMixin:
         if self.afd_session is not None:
             self.afd_session.close()
             self.afd_session = None
+
+
+class _RerunOnLoss:
+    """The model, as a dummy run sees it: a call runs again from its start when the FFN role is
+    lost during it (``AttentionSession.run_forward``); anything else is the model's."""
+
+    def __init__(self, model, session: AttentionSession):
+        self._model, self._session = model, session
+
+    def __call__(self, *args, **kwargs):
+        return self._session.run_forward(lambda: self._model(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
 
 
 class AFDAttentionWorkerMixin:

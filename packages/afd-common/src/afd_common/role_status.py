@@ -12,12 +12,16 @@ named after the server's root process; the API server's ``/health`` only reads i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from afd_common.plugin import SERVER_PID_ENV
+
+logger = logging.getLogger("vllm.afd")
 
 
 def status_dir() -> Path | None:
@@ -31,13 +35,19 @@ def _file(role: str, rank: int) -> Path | None:
 
 
 def publish(role: str, rank: int, status: dict) -> None:
+    """Best effort: a status that cannot be written (the folder removed at the server's exit, a
+    full disk) is logged, never the end of the rank that serves."""
     path = _file(role, rank)
     if path is None:
         return
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(status))
-    os.replace(tmp, path)  # a reader sees the old status or the new one, never half of one
+    # Per thread: a rank publishes from its serving thread and its refresh thread.
+    tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        tmp.write_text(json.dumps(status))
+        os.replace(tmp, path)  # a reader sees the old status or the new one, never half of one
+    except OSError as e:
+        logger.warning("AFD: could not publish %s rank %d's status for /health: %s", role, rank, e)
 
 
 def clear(role: str, rank: int) -> None:

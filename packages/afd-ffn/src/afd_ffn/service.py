@@ -55,6 +55,7 @@ class FFNService:
         self._steps_before = 0  # served in earlier worlds
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._publishing = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"afd-ffn-{rank}", daemon=True)
         self.connector = self._new_connector()  # bad config fails here, in load_model
 
@@ -72,11 +73,13 @@ class FFNService:
         self._publish()
 
     def _publish(self) -> None:
-        """What this rank's server's ``/health`` reads (afd_common.role_status)."""
-        status = self.status()
-        since = status.pop("seconds_since_last_step")
-        status["last_step_at"] = None if since is None else time.time() - since
-        role_status.publish("ffn", self.rank, status)
+        """What this rank's server's ``/health`` reads (afd_common.role_status). Under a lock:
+        the refresh thread's status, taken before a state change, must not land after it."""
+        with self._publishing:
+            status = self.status()
+            since = status.pop("seconds_since_last_step")
+            status["last_step_at"] = None if since is None else time.time() - since
+            role_status.publish("ffn", self.rank, status)
 
     def start(self) -> None:
         self._publish()
