@@ -248,6 +248,7 @@ class Pair:
     def __init__(self, ffn: list[Server], attention: list[Server], port: int):
         self.ffn_ranks, self.attention_ranks = ffn, attention
         self.port = port  # the AFD rendezvous
+        self.apart_s: float | None = None  # (started one role first) from its ready to both
 
     @property
     def ffn(self) -> Server:
@@ -304,11 +305,11 @@ def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = N
              num_attention_ranks: int = 1, num_ffn_ranks: int = 1,
              vllm_args: tuple[str, ...] = (), env: dict | None = None,
              attention_args: tuple[str, ...] = (), hosts: Hosts | None = None,
-             first: str | None = None, gap_s: float = 60.0, **afd):
+             first: str | None = None, **afd):
     """Start an FFN and an attention `vllm serve`, wait until both are ready; afterwards stop
     whatever the test left running. With ``first`` ("attention" or "ffn") that role starts
-    alone and must get ready alone; the other starts ``gap_s`` after it (or once it is ready, if
-    that took longer). ``vllm_args`` and ``env`` go to both roles (e.g.
+    alone and must get ready alone; the other starts once it is (``pair.apart_s`` says how long
+    the first then waited for the other). ``vllm_args`` and ``env`` go to both roles (e.g.
     ``--enable-expert-parallel``, ``AFD_TEST_INORDER``), ``attention_args`` to the attention role
     (e.g. ``--speculative-config``). With ``hosts`` every rank runs on a host of its own: the
     attention ranks on hosts 0.., the FFN ranks after them."""
@@ -334,8 +335,8 @@ def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = N
             for server in early:
                 server.start()
             early[0].wait_ready(progress=say, others=tuple(early[1:]))
-            say(f"{name}: the {first} role is ready alone after {time.monotonic() - start:.0f} s")
-            time.sleep(max(0.0, gap_s - (time.monotonic() - start)))
+            ready_alone = time.monotonic()
+            say(f"{name}: the {first} role is ready alone after {ready_alone - start:.0f} s")
             for server in late:
                 server.start()
         else:
@@ -344,6 +345,8 @@ def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = N
         headless = pair.servers[1:len(ffn)] + pair.servers[len(ffn) + 1:]
         pair.attention.wait_ready(progress=say, others=(pair.ffn, *headless))
         pair.ffn.wait_ready(progress=say, others=(pair.attention, *headless))
+        if first is not None:
+            pair.apart_s = time.monotonic() - ready_alone
         yield pair
     finally:
         for server in pair.servers:

@@ -185,23 +185,17 @@ class AFDAttentionRunnerMixin:
             # Graphs are captured for whole batches; a micro-batch runs eagerly (CUDA only).
             cudagraph_runtime_mode=CUDAGraphMode.NONE, batch_descriptor=None)
             for i, cut in enumerate(cuts)]
-        session.plan(tuple(c.stop - c.start for c in cuts)
-                     + (0,) * (session.num_stages - len(cuts)))
         forward = super()._model_forward
 
-        def stage(i: int, cut: slice):
-            def run():
-                session.stage_started(i)
-                return forward(None if input_ids is None else input_ids[cut],
-                               positions[..., cut], None,
-                               None if inputs_embeds is None else inputs_embeds[cut])
-            return run
+        def micro_batch(cut: slice) -> torch.Tensor:
+            return forward(None if input_ids is None else input_ids[cut], positions[..., cut],
+                           None, None if inputs_embeds is None else inputs_embeds[cut])
 
         def resume(i: int) -> None:
             vllm_forward_context._forward_context = contexts[i]
 
         try:
-            outs = self._afd_pipeline.run([stage(i, c) for i, c in enumerate(cuts)], resume)
+            outs = session.run_micro_batches(self._afd_pipeline, cuts, micro_batch, resume)
         finally:
             vllm_forward_context._forward_context = whole
         return torch.cat(outs)

@@ -40,6 +40,7 @@ from afd_common.transport import CONNECT_PROGRESS_EVERY_S
 from afd_common.vllm_model import layer_index
 
 from afd_attention import micro_batches
+from afd_attention.micro_batches import MicroBatchPipeline
 
 logger = logging.getLogger("vllm.afd")
 
@@ -275,6 +276,20 @@ class AttentionSession:
                                "(%s); it runs again once an FFN role is back", self.rank,
                                self.step, e)
         raise AssertionError("unreachable")
+
+    def run_micro_batches(self, pipeline: MicroBatchPipeline, cuts: list[slice],
+                          forward: Callable[[slice], torch.Tensor],
+                          resume: Callable[[int], None]) -> list[torch.Tensor]:
+        """One forward split on ``cuts`` (token slices, one per micro-batch): ``forward(cut)``
+        per micro-batch, interleaved by ``pipeline``; the step announces the split."""
+        self.plan(tuple(c.stop - c.start for c in cuts) + (0,) * (self.num_stages - len(cuts)))
+
+        def stage(i: int, cut: slice):
+            def run():
+                self.stage_started(i)
+                return forward(cut)
+            return run
+        return pipeline.run([stage(i, c) for i, c in enumerate(cuts)], resume)
 
     def plan(self, stage_tokens: tuple[int, ...]) -> None:
         """The next forward is split: its tokens per stage."""

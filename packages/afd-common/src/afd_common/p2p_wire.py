@@ -86,19 +86,22 @@ def unpack(buf: torch.Tensor, rows: int, hidden_size: int, dtype: torch.dtype, t
     return hidden, ids, weights
 
 
-def open_p2p_world(connector) -> SyncLinks:
-    """Rendezvous, handshake and groups for either half of the P2P connector."""
+def open_p2p_world(connector, backend: str | None = None) -> SyncLinks:
+    """Rendezvous, handshake and groups for either half of the P2P connector; ``backend``
+    "loopback" for the loopback connector (afd_common.loopback), else the configured one."""
     cfg, topo = connector.config, connector.topology
-    backend = cfg.extra.backend or default_backend(connector.device)
+    backend = backend or cfg.extra.backend or default_backend(connector.device)
     world = AFDWorld(cfg, connector.local_rank, topo.world_size, topo.global_rank,
                      connector.fingerprint(), connector.timeouts.first_step_s)
     try:
         in_order = inorder.enabled()
         data_group = world.group("data", backend)
-        # The control plane keeps tagged matching: its own Gloo group under NCCL (and in the
-        # in-order test mode, which stands for NCCL); otherwise it shares the Gloo data group.
-        ctrl_group = (data_group if backend == "gloo" and not in_order
-                      else world.group("control", "gloo"))
+        # The control plane keeps tagged matching: its own host group (Gloo; loopback's own)
+        # under NCCL and in the in-order test mode, which stands for NCCL; otherwise it shares
+        # the data group.
+        host = "loopback" if backend == "loopback" else "gloo"
+        ctrl_group = (data_group if backend == host and not in_order
+                      else world.group("control", host))
         data = PeerIO(data_group, world.describe, in_order=in_order)
         ctrl_io = data if ctrl_group is data_group else PeerIO(ctrl_group, world.describe)
         control = GlooControlPlane(ctrl_io, link_peers(topo, cfg.role, connector.local_rank),

@@ -192,6 +192,10 @@ def new_group(backend: str, store: dist.Store, prefix: str, rank: int, size: int
         opts._timeout = timeout
         opts._devices = gloo_devices(host)
         return dist.ProcessGroupGloo(pstore, rank, size, opts)
+    if backend == "loopback":  # every rank in this process (afd_common.loopback)
+        from afd_common.loopback import join_group
+
+        return join_group(pstore, rank, size)
     if backend == "nccl":  # pragma: no cover - needs CUDA; not exercised on the CPU machines
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -267,7 +271,8 @@ class PeerIO:
         """``in_order``: a data plane under ``AFD_TEST_INORDER`` (``afd_common.inorder``)."""
         self._describe = describe_rank  # global rank -> "FFN rank 1" etc.
         self._pending: dict[int, list[tuple[object, torch.Tensor]]] = {}
-        self.is_gloo = _backend_name(group) == "gloo"
+        # Waited on the host, like Gloo's works (not a device stream's).
+        self.is_gloo = _backend_name(group) in ("gloo", "loopback")
         self.in_order = in_order and self.is_gloo
         self.group = InOrderGroup(group) if self.in_order else group
         self.closing = False
