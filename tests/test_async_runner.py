@@ -45,8 +45,7 @@ def test_items_name_their_layer_and_stop_ends_the_loop():
                          item(9, 1)])
     computed = []
 
-    def compute(it, plan):
-        assert plan is None
+    def compute(it):
         computed.append(it.layer_idx)
         return it.hidden_states * 10
 
@@ -67,4 +66,4 @@ def test_refuses_a_sync_connector():
     conn = FakeAsyncFFN([])
     conn.control_plane = object()
     with pytest.raises(ValueError, match="sync runner"):
-        AsyncFFNRunner(conn, lambda it, plan: it.hidden_states)
+        AsyncFFNRunner(conn, lambda it: it.hidden_states)

@@ -102,7 +102,7 @@ class Deployment:
         owners = self.shape.placement.owner_table if self.shape.placement.sharded else None
 
         def compute_for(rank):
-            def compute(item, plan):
+            def compute(item):
                 x, layer = item.hidden_states, item.layer_idx
                 if rank == 0 and layer == self.kill_at:
                     self.kill_at = None

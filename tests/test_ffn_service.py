@@ -25,7 +25,7 @@ def _compute_for(spec: Spec, rank: int):
     """What afd-selftest's FFN ranks compute (sharded: this rank's experts' share only)."""
     owners = spec.shape().placement.owner_table if spec.sharded else None
 
-    def compute(item, plan):
+    def compute(item):
         if spec.connector == "CAMAsyncAFDConnector":  # rows are (token, expert) pairs
             return item.hidden_states * (item.layer_idx + 1) + item.meta.stage \
                 + item.topk_ids.to(item.hidden_states.dtype)

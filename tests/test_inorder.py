@@ -84,7 +84,7 @@ def _exchange(rank, group_name, in_order, reply_first):
                 pending = io.irecv(out, 1, 7, "the result")
             io.wait(pending, 3.0)
             return bool(torch.equal(out, x * 2))
-        got = io.recv(torch.empty(8), 0, 7, 6.0, "the rows")
+        got = io.wait(io.irecv(torch.empty(8), 0, 7, "the rows"), 6.0)
         io.isend(got * 2, 0, 7)
         io.flush(3.0)
         return True

@@ -18,8 +18,8 @@ MAX_STAGES = 64
 
 
 class StepKind(enum.IntEnum):
-    RUN = 0  # a real scheduler step
-    DUMMY = 1  # profile, warm-up or DP padding step: same message flow, throw-away data
+    RUN = 0  # any forward once serving: a scheduler step or an idle DP rank's dummy batch
+    # 1 was a dummy step kind, never sent: dummy batches are steps like any other
     STOP = 2  # the attention side is shutting down; the FFN loop ends cleanly
 
 

@@ -313,10 +313,6 @@ class PeerIO:
         self._settle(pending.src, 60.0 if timeout_s is None else timeout_s)
         return pending.tensor
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout_s: float,
-             what: str) -> torch.Tensor:
-        return self.wait(self.irecv(tensor, src, tag, what), timeout_s)
-
     def _settle(self, dst: int, timeout_s: float) -> None:
         for work, _ in self._pending.pop(dst, ()):
             try:
@@ -333,9 +329,6 @@ class PeerIO:
         """Wait (bounded) until every peer took what we sent."""
         for dst in list(self._pending):
             self._settle(dst, timeout_s)
-
-    def abandon(self) -> None:
-        self._pending.clear()
 
     def watch(self, peers: list[int], tag: int, on_lost) -> None:
         """Learn, without polling, when the connection to a peer drops: one daemon thread per

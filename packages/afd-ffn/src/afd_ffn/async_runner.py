@@ -35,5 +35,5 @@ class AsyncFFNRunner(ServingLoop):
                         conn.local_rank, self.steps_done)
             return False
         if item.num_tokens:  # a work item without rows (an idle DP group's) needs no answer
-            self._answer(item, None)
+            self._answer(item)
         return self._served()

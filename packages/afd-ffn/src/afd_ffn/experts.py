@@ -17,9 +17,10 @@ and the ids handed to the kernel are already local.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
-from afd_common.forward_metadata import ffn_forward_context
 from afd_common.metadata import WorkItem
 from afd_common.placement import ExpertPlacement
 
@@ -46,7 +47,7 @@ class LayerExperts:
             self._local_of = ours.to(torch.int64)
 
     @torch.inference_mode()
-    def __call__(self, item: WorkItem, plan=None) -> torch.Tensor:
+    def __call__(self, item: WorkItem) -> torch.Tensor:
         runner = self.runners[item.layer_idx]
         x = item.hidden_states
         with ffn_forward_context(self.vllm_config, item):
@@ -82,3 +83,20 @@ class LayerExperts:
                 local[rows, slots].to(topk_ids.dtype).unsqueeze(1).contiguous())
             out.index_add_(0, rows, pairs)
         return out
+
+
+@contextmanager
+def ffn_forward_context(vllm_config, item: WorkItem):
+    """The forward context of one work item: vLLM's MoE code reads one, and an FFN rank runs
+    its experts outside any vLLM step. No DP metadata: an FFN rank computes its rows alone, and
+    building it would all-reduce with FFN ranks busy with other items."""
+    from vllm.forward_context import get_forward_context, set_forward_context
+
+    n = item.num_tokens
+    dp = vllm_config.parallel_config.data_parallel_size
+    # Given counts keep vLLM from all-reducing them across DP ranks; the metadata is dropped.
+    across = torch.full((dp,), n, dtype=torch.int32) if dp > 1 else None
+    with set_forward_context(None, vllm_config, num_tokens=n, num_tokens_across_dp=across):
+        ctx = get_forward_context()
+        ctx.dp_metadata = None
+        yield ctx

@@ -10,15 +10,14 @@ from collections.abc import Callable
 import torch
 
 from afd_common import metrics
-from afd_common.contract import FFNConnector, StepPlan
+from afd_common.contract import FFNConnector
 from afd_common.metadata import WorkItem
 
-ComputeFn = Callable[[WorkItem, StepPlan | None], torch.Tensor]
+ComputeFn = Callable[[WorkItem], torch.Tensor]
 
 
 class ServingLoop(abc.ABC):
-    """``compute(item, plan)`` returns the expert output for ``item`` (same rows, same dtype);
-    ``plan`` is the step's plan for the sync runner, None for the async one."""
+    """``compute(item)`` returns the expert output for ``item`` (same rows, same dtype)."""
 
     def __init__(self, connector: FFNConnector, compute: ComputeFn):
         self.connector = connector
@@ -34,14 +33,14 @@ class ServingLoop(abc.ABC):
         self.metrics.wait(time.perf_counter() - start)
         return item
 
-    def _answer(self, item: WorkItem, plan: StepPlan | None) -> None:
+    def _answer(self, item: WorkItem) -> None:
         """Experts for the item's rows, then the result back (an empty item gets an empty one:
         the attention side waits for every stage it sent, even one without rows)."""
         rec = self.metrics
         rec.routed(self.connector.local_rank, item.num_tokens)
         if item.num_tokens:
             start = self._timer.start()
-            out = self.compute(item, plan)
+            out = self.compute(item)
             self._timer.stop(start, rec.ffn_compute)
         else:
             out = item.hidden_states.new_empty(0, item.hidden_states.shape[1])

@@ -34,5 +34,5 @@ class SyncFFNRunner(ServingLoop):
             return False
         for layer in self.moe_layers:
             for stage in range(plan.num_stages):
-                self._answer(self._receive(stage, layer_idx=layer), plan)
+                self._answer(self._receive(stage, layer_idx=layer))
         return self._served()
