@@ -27,7 +27,7 @@ from afd_common.config import parse_afd_config
 from afd_common.loopback import LoopbackGroup, _Hub
 from afd_common.metadata import ModelShape
 from afd_common.placement import placement_for
-from afd_common.plugin import SERVER_PID_ENV
+from afd_common.server_root import SERVER_PID_ENV
 from afd_common.registry import resolve_connector
 from afd_common.selftest import free_port
 from afd_ffn.service import FFNService

@@ -23,7 +23,7 @@ from afd_common.config import parse_afd_config
 from afd_common.errors import AFDPeerError, AFDTimeoutError
 from afd_common.metadata import ModelShape
 from afd_common.placement import placement_for
-from afd_common.plugin import SERVER_PID_ENV
+from afd_common.server_root import SERVER_PID_ENV
 
 LAYERS = (1, 2, 3)
 SHAPE = ModelShape(hidden_size=4, dtype=torch.float32, num_layers=4, moe_layers=LAYERS,

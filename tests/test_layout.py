@@ -40,3 +40,55 @@ def test_no_machine_paths_in_lock():
     text = (ROOT / "uv.lock").read_text()
     for marker in ('registry = "/', 'path = "/', "file:"):
         assert marker not in text
+
+
+def _afd_modules() -> dict[str, Path]:
+    out = {}
+    for src in (ROOT / "packages").glob("*/src"):
+        for f in src.rglob("*.py"):
+            parts = list(f.relative_to(src).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = f
+    return out
+
+
+def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the afd modules it imports, anywhere in it (a lazy import is still a cycle:
+    it only moves the failure to the first call)."""
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for mod, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(resolve(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from pkg import module` imports the module, `from module import name` it
+                deps.update(resolve(f"{node.module}.{a.name}") for a in node.names)
+        graph[mod] = {d for d in deps if d and d != mod}
+    return graph
+
+
+def test_no_import_cycles_among_afd_modules():
+    graph = _import_graph(_afd_modules())
+    assert graph["afd_common.config"], "the graph sees imports"
+    cycles = []
+
+    def visit(mod, path, seen):
+        for dep in sorted(graph[mod]):
+            if dep in path:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in seen:
+                seen.add(dep)
+                visit(dep, path + [dep], seen)
+    seen: set[str] = set()
+    for mod in sorted(graph):
+        if mod not in seen:
+            seen.add(mod)
+            visit(mod, [mod], seen)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)

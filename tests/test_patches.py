@@ -1,22 +1,12 @@
 """Every afd patch set installs over vLLM and uninstalls back to vLLM's own symbols."""
 
-import importlib
+import re
+from pathlib import Path
 
 import pytest
 
 from afd_common.patching import PatchSet
-
-
-def builders():
-    importlib.import_module("vllm.entrypoints.launchers.app")  # as in the API server process
-    from afd_attention.patches import async_dp_engine, async_dp_forward_context, remote_moe
-    from afd_common.patches import api_server, moe_parallel, vllm_config
-    from afd_ffn.patches import prune
-    return {"vllm_config": vllm_config.build, "api_server": api_server.build,
-            "moe_parallel": moe_parallel.build,
-            "attention_remote_moe": remote_moe.build, "ffn_prune": prune.build,
-            "async_dp_engine": async_dp_engine.build,
-            "async_dp_forward_context": async_dp_forward_context.build}
+from patch_symbols import builders, symbols
 
 
 def snapshot(patch: PatchSet):
@@ -91,3 +81,14 @@ def test_async_dp_platform_gate(kind, extra, field):
     else:
         with pytest.raises(AFDConfigError, match=field):
             _check_async_dp(afd, kind)
+
+
+def test_the_readme_lists_every_patched_vllm_symbol_and_nothing_else():
+    """README "What afd changes in vLLM" is the written list: one place to read what afd
+    replaces in vLLM, kept true here."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## What afd changes in vLLM", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`(vllm\.[\w.]+(?:\['\w+'\])?)`", section))
+    patched = set().union(*(symbols(build()) for build in builders().values()))
+    assert listed == patched, (f"patched, not listed: {sorted(patched - listed)}; "
+                               f"listed, not patched: {sorted(listed - patched)}")

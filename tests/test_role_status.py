@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from afd_common import role_status
 from afd_common.patches.api_server import add_attention_health
-from afd_common.plugin import SERVER_PID_ENV
+from afd_common.server_root import SERVER_PID_ENV
 
 
 def test_health_is_503_with_the_reason_while_a_rank_waits_and_vllms_own_otherwise(

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from afd_common.errors import AFDConfigError
+from afd_common import registry
+from afd_common.registry import ROLES
 
 Role = Literal["attention", "ffn"]
-ROLES: tuple[str, ...] = ("attention", "ffn")
 
 # Upstream afd-plugin spellings -> ours.
 ALIASES: dict[str, str] = {
@@ -222,9 +223,7 @@ def parse_afd_config(raw: Any, *, resolve_connector: bool = True) -> AFDConfig:
     connector_cls = None
     connector_keys: frozenset[str] = frozenset()
     if resolve_connector:
-        from afd_common.registry import resolve_connector as _resolve
-
-        connector_cls = _resolve(connector, role)
+        connector_cls = registry.resolve_connector(connector, role)
         connector_keys = frozenset(getattr(connector_cls, "extra_config_keys", frozenset()))
     extra = parse_extra_config(values.get("connector_extra_config"), connector_keys)
 

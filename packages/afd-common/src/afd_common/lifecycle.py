@@ -27,8 +27,7 @@ import sys
 import threading
 import time
 
-from afd_common import role_status
-from afd_common.plugin import SERVER_PID_ENV
+from afd_common import role_status, server_root
 
 logger = logging.getLogger("vllm.afd")
 
@@ -45,7 +44,7 @@ _root_installed = False
 
 
 def _root_pid() -> int:
-    pid = int(os.environ.get(SERVER_PID_ENV, "0") or 0)
+    pid = server_root.pid()
     return 0 if pid == os.getpid() else pid
 
 
@@ -83,7 +82,7 @@ def install_root_failure_handler() -> None:
     ``FAILED_EXIT_CODE`` once vLLM's own shutdown has run (it would otherwise exit 0) and, if
     vLLM does not stop by itself within ``STOP_RETRY_S`` (a failure between the engine's start
     and the HTTP server's, where vLLM's watchdog does not run yet), stop the server."""
-    if os.getpid() != int(os.environ.get(SERVER_PID_ENV, "0") or 0):
+    if os.getpid() != server_root.pid():
         return
     if threading.current_thread() is not threading.main_thread():
         return

@@ -8,18 +8,14 @@ if afd were not installed. Role-specific patches are installed by the role's wor
 
 from __future__ import annotations
 
-import os
-
+from afd_common import server_root
 from afd_common.patching import PatchSet
 
-SERVER_PID_ENV = "AFD_SERVER_PID"
 _installed: list[PatchSet] = []
 
 
 def register() -> None:
-    # The first vLLM process of a server is its root; children inherit this and use it to take
-    # the whole server down when their AFD peer is gone (afd_common.lifecycle).
-    os.environ.setdefault(SERVER_PID_ENV, str(os.getpid()))
+    server_root.mark()
     if _installed:
         return
     from afd_common import redaction

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from afd_common.config import ROLES
 from afd_common.errors import AFDConfigError
 
+#: The roles a connector has a half for.
+ROLES: tuple[str, ...] = ("attention", "ffn")
 GROUP = "afd.connectors"
 ROLE_PACKAGES = {"attention": "afd-attention", "ffn": "afd-ffn"}
 OUR_MODULES = {"afd_attention", "afd_ffn"}

@@ -19,13 +19,13 @@ import tempfile
 import threading
 from pathlib import Path
 
-from afd_common.plugin import SERVER_PID_ENV
+from afd_common import server_root
 
 logger = logging.getLogger("vllm.afd")
 
 
 def status_dir() -> Path | None:
-    pid = os.environ.get(SERVER_PID_ENV)
+    pid = server_root.pid()
     return Path(tempfile.gettempdir()) / f"afd-status-{pid}" if pid else None
 
 
