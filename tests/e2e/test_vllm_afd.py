@@ -33,13 +33,7 @@ def weights(server) -> dict:
 
 def weights_by_rank(servers) -> dict[int, dict]:
     """Every worker's ``AFD weights:`` line (one per DP rank) in the servers' logs, by rank."""
-    out = {}
-    for server in servers:
-        for line in server.log_path.read_text().splitlines():
-            if "AFD weights:" in line:
-                entry = json.loads(line.split("AFD weights:", 1)[1])
-                out[entry.get("ffn_rank", 0)] = entry["by_category"]
-    return out
+    return {rank: held for server in servers for rank, held in server.weights().items()}
 
 
 def routed_numel_per_expert(model_dir) -> int:

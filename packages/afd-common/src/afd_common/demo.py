@@ -2,7 +2,9 @@
 
 Writes a tiny MoE checkpoint (random weights of real scale, a locally trained tokenizer), serves
 it once colocated and once as an FFN role plus an attention role (each its own ``vllm serve``,
-each on its own core), sends the same prompts to both and prints the answers side by side.
+each on its own core), sends the same prompts to both and prints the answers side by side, the
+weights each server holds by category, and the time of the same requests on both -- each
+server warmed up by one request first, so neither time includes a first request's start-up.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from afd_common.launch import PROMPTS, Server, afd_args, compare, complete, wait_gone
 from afd_common.selftest import free_port
 from afd_common.tiny_model import write_tiny_model
+from afd_common.vllm_model import weight_category
 
 
 def say(msg: str) -> None:
@@ -28,6 +31,7 @@ def run_colocated(model: Path, prompts, max_tokens, logs: Path):
     server.start()
     try:
         server.wait_ready(progress=say)
+        complete(server, prompts[:1], 2)  # warm-up: a first request's one-time costs
         t0 = time.monotonic()
         answers = complete(server, prompts, max_tokens)
         return answers, time.monotonic() - t0, server.rss_bytes()
@@ -49,15 +53,50 @@ def run_afd(model: Path, prompts, max_tokens, logs: Path, gate_on_attention: boo
     try:
         attention.wait_ready(progress=say, others=(ffn,))
         ffn.wait_ready(progress=say, others=(attention,))
+        complete(attention, prompts[:1], 2)  # warm-up: a first request's one-time costs
         t0 = time.monotonic()
         answers = complete(attention, prompts, max_tokens)
-        return answers, time.monotonic() - t0, attention.rss_bytes(), ffn.rss_bytes()
+        held = {"attention role": attention.weights()[0], "FFN role": ffn.weights()[0]}
+        return (answers, time.monotonic() - t0, attention.rss_bytes(), ffn.rss_bytes(), held)
     finally:
         attention.signal()  # the attention role first: its goodbye ends the FFN role's world,
         ffn.signal()        # and the FFN role, a service that would wait for the next, is next
         clean = wait_gone((attention, ffn), 30)
         ffn.stop(1), attention.stop(1)
         say("both roles stopped" + ("" if clean else " (some processes had to be killed)"))
+
+
+def checkpoint_weights(model: Path) -> dict[str, dict[str, int]]:
+    """What colocated vLLM holds: every tensor of the checkpoint, by the roles' categories."""
+    from safetensors import safe_open
+
+    out: dict[str, dict[str, int]] = {}
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            t = f.get_slice(name)
+            numel = 1
+            for d in t.get_shape():
+                numel *= d
+            size = {"F32": 4, "BF16": 2, "F16": 2}.get(t.get_dtype(), 4)
+            entry = out.setdefault(weight_category(name), {"numel": 0, "bytes": 0})
+            entry["numel"] += numel
+            entry["bytes"] += numel * size
+    return out
+
+
+def print_weights(servers: dict[str, dict[str, dict[str, int]]]) -> None:
+    """Weights held, MiB by category, one column per server: the attention role holds no routed
+    expert, the FFN role nothing else."""
+    mib = 2 ** 20
+    cats = sorted({c for held in servers.values() for c in held})
+    print(f"{'weights held (MiB)':<20}" + "".join(f"{name:>16}" for name in servers))
+    for cat in cats + ["total"]:
+        cells = []
+        for held in servers.values():
+            n = (sum(e["bytes"] for e in held.values()) if cat == "total"
+                 else held.get(cat, {}).get("bytes"))
+            cells.append(f"{n / mib:>16.2f}" if n else f"{'-':>16}")
+        print(f"{cat:<20}" + "".join(cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = PROMPTS[:args.prompts]
 
     ref, ref_s, ref_rss = run_colocated(model, prompts, args.max_tokens, work)
-    afd, afd_s, attn_rss, ffn_rss = run_afd(model, prompts, args.max_tokens, work,
-                                            args.gate_on_attention)
+    afd, afd_s, attn_rss, ffn_rss, held = run_afd(model, prompts, args.max_tokens, work,
+                                                  args.gate_on_attention)
 
     print()
     width = 34
@@ -91,10 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     problems = compare(afd, ref)
     mib = 2 ** 20
     print()
-    print(f"RSS: colocated {ref_rss / mib:.0f} MiB | attention role {attn_rss / mib:.0f} MiB + "
-          f"FFN role {ffn_rss / mib:.0f} MiB")
-    print(f"time for {len(prompts)} prompts x {args.max_tokens} tokens: colocated {ref_s:.2f} s, "
-          f"AFD {afd_s:.2f} s")
+    print_weights({"colocated": checkpoint_weights(model), **held})
+    print(f"RSS (weights, plus the KV cache colocated vLLM and the attention role reserve): "
+          f"colocated {ref_rss / mib:.0f} MiB | attention role {attn_rss / mib:.0f} MiB + FFN "
+          f"role {ffn_rss / mib:.0f} MiB")
+    print(f"time for {len(prompts)} prompts x {args.max_tokens} tokens, each server warmed up "
+          f"first: colocated {ref_s:.2f} s, AFD {afd_s:.2f} s (a tiny model on 2 cores: the "
+          "numbers show the path works, not what AFD gains; see afd-bench)")
     print(f"logs: {work}")
     if problems:
         print("MISMATCH:\n  " + "\n  ".join(problems))

@@ -133,6 +133,16 @@ class Server:
                 out.append(int(entry.name))
         return out
 
+    def weights(self) -> dict[int, dict]:
+        """Every worker's ``AFD weights:`` log line (one per DP rank), by rank: the parameters
+        it holds by category (``afd_common.vllm_model.weight_summary``)."""
+        out = {}
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if "AFD weights:" in line:
+                entry = json.loads(line.split("AFD weights:", 1)[1])
+                out[entry.get("ffn_rank", 0)] = entry["by_category"]
+        return out
+
     def rss_bytes(self) -> int:
         total = 0
         for pid in self.pids():

@@ -106,10 +106,11 @@ def weight_category(name: str) -> str:
 
 
 def weight_summary(model) -> dict[str, dict[str, int]]:
-    """Parameters held, by category: what a role loaded, in tensors and elements."""
+    """Parameters held, by category: what a role loaded, in tensors, elements and bytes."""
     out: dict[str, dict[str, int]] = {}
     for name, param in model.named_parameters():
-        entry = out.setdefault(weight_category(name), {"tensors": 0, "numel": 0})
+        entry = out.setdefault(weight_category(name), {"tensors": 0, "numel": 0, "bytes": 0})
         entry["tensors"] += 1
         entry["numel"] += param.numel()
+        entry["bytes"] += param.numel() * param.element_size()
     return dict(sorted(out.items()))

@@ -1,5 +1,8 @@
-"""The tiny checkpoints' tokenizer: byte-level BPE trained on a short corpus, so any text
-round-trips and ids are deterministic."""
+"""The tiny checkpoints' tokenizer: byte-level BPE trained on a short corpus, ids deterministic.
+
+Its alphabet is printable ASCII and the newline, so every token is readable text: a tiny model's
+random answers decode to word fragments ("valionsiet Qu tur5en wetple") instead of broken UTF-8
+that makes a working demo look broken. ASCII text round-trips; other characters are dropped."""
 
 from __future__ import annotations
 
@@ -54,8 +57,17 @@ like 1, 2, 3, 10, 42 and 2024, and short lists - red, green, blue - appear in ev
 
 
 
+def readable_alphabet() -> list[str]:
+    """Printable ASCII and the newline, as byte-level BPE writes bytes (GPT-2's byte-to-unicode
+    map: a space is "Ġ", a newline "Ċ")."""
+    printable = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    shifted = {b: 0x100 + i for i, b in enumerate(b for b in range(256) if b not in printable)}
+    return [chr(shifted.get(b, b)) for b in [*range(0x20, 0x7F), 0x0A]]
+
+
 def train_tokenizer(vocab_size: int) -> Any:
-    """Byte-level BPE, so any text round-trips; specials first so their ids are small and fixed."""
+    """Byte-level BPE over a readable alphabet; specials first so their ids are small and
+    fixed."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -64,7 +76,7 @@ def train_tokenizer(vocab_size: int) -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[BOS, EOS, PAD, *ROLE_TOKENS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=readable_alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS.split("\n\n"), trainer)
