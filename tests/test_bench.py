@@ -25,16 +25,12 @@ afd_wait_seconds_count{connector="P2pAFDConnector",pid="12",role="ffn"} 5
 afd_bytes_total{connector="P2pAFDConnector",direction="sent",role="attention"} 1.5e+03 1712345678
 weird_label{path="a\\"b}c",other="x\\\\y"} 7
 no_labels 3
-not a sample line at all
-broken{oops} 1
 nan_metric{role="x"} NaN
 """
 
 
-def test_parse_reads_names_labels_values_and_skips_junk():
+def test_parse_reads_names_labels_values_and_refuses_junk():
     samples = prom.parse(EXPOSITION)
-    names = [s.name for s in samples]
-    assert "broken" not in names and "not" not in names
     weird = next(s for s in samples if s.name == "weird_label")
     assert weird.labels == {"path": 'a"b}c', "other": "x\\y"} and weird.value == 7
     assert next(s for s in samples if s.name == "no_labels").labels == {}
@@ -42,6 +38,8 @@ def test_parse_reads_names_labels_values_and_skips_junk():
     assert inf[0].value == 4.0
     # a trailing timestamp is not the value
     assert prom.total(samples, "afd_bytes_total", direction="sent") == 1500.0
+    with pytest.raises(ValueError):
+        prom.parse(EXPOSITION + "broken{oops} 1\n")
 
 
 def test_total_sums_matching_samples_over_processes():
@@ -121,7 +119,7 @@ def _scrape(values: dict[str, float]) -> list[prom.Sample]:
     for key, value in values.items():
         name, _, rest = key.partition("|")
         labels = dict(kv.split("=") for kv in rest.split(",")) if rest else {}
-        out.append(prom.Sample(name, value, {"connector": "P2pAFDConnector", **labels}))
+        out.append(prom.Sample(name, {"connector": "P2pAFDConnector", **labels}, value))
     return out
 
 

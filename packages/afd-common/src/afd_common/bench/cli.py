@@ -100,7 +100,7 @@ def _scrape(name: str, role: str, url: str) -> list[prom.Sample]:
     """A role's /metrics; a failed scrape is a warning (its fields become null), not a crash."""
     try:
         return prom.parse(load.scrape(url))
-    except OSError as e:
+    except (OSError, ValueError) as e:
         print(f"warning: {name}: could not read the {role} role's /metrics: {e}",
               file=sys.stderr, flush=True)
         return []

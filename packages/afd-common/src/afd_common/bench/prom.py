@@ -1,62 +1,23 @@
-"""A small reader for the Prometheus text exposition format, enough for ``afd-bench``.
+"""Sums and deltas over ``/metrics`` scrapes, what ``afd-bench`` reads between two of them.
 
-A sample line is ``name{label="value",...} value [timestamp]``; ``#`` lines are comments. A series
-may appear several times (prometheus multiprocess mode can keep one sample per process, with a
-``pid`` label): every lookup here sums over all samples that carry the requested labels.
+The text is parsed by ``prometheus_client`` (installed with vLLM). What it does not provide is
+added here: a series may appear several times (prometheus multiprocess mode can keep one sample
+per process, with a ``pid`` label), so every lookup sums over all samples that carry the requested
+labels, and counters and histograms are read as the growth between two scrapes.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass, field
 
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_LINE = re.compile(rf"^({_NAME})\s*(?:\{{(.*)\}})?\s+(\S+)(?:\s+\S+)?\s*$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')
-_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
-
-
-@dataclass(frozen=True)
-class Sample:
-    name: str
-    value: float
-    labels: dict[str, str] = field(default_factory=dict)
-
-
-def _unescape(text: str) -> str:
-    return re.sub(r'\\[\\"n]', lambda m: _ESCAPES[m.group(0)], text)
-
-
-def _labels(text: str) -> dict[str, str] | None:
-    out, pos = {}, 0
-    while pos < len(text):
-        m = _LABEL.match(text, pos)
-        if m is None:
-            return None if text[pos:].strip() else out
-        out[m.group(1)] = _unescape(m.group(2))
-        pos = m.end()
-    return out
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 
 def parse(text: str) -> list[Sample]:
-    """Every sample in ``text``; lines that are not samples (or are malformed) are skipped."""
-    samples = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if m is None:
-            continue
-        labels = _labels(m.group(2) or "")
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        if labels is not None:
-            samples.append(Sample(m.group(1), value, labels))
-    return samples
+    """Every sample of a Prometheus text exposition; ValueError names a malformed line."""
+    return [sample for family in text_string_to_metric_families(text)
+            for sample in family.samples]
 
 
 def total(samples: list[Sample], name: str, **labels: str) -> float | None:
