@@ -8,11 +8,14 @@ import torch
 
 from afd_common import metrics
 
+from afd_common.contract import StreamingFFNConnector
 from afd_common.metadata import StepKind, WorkItem, WorkItemMeta
 from afd_ffn.async_runner import AsyncFFNRunner
 
 
 class FakeAsyncFFN:
+    """A streaming FFN connector (registered as one: it needs none of the base's set-up)."""
+
     control_plane = None
     local_rank = 0
     device = torch.device("cpu")
@@ -23,8 +26,7 @@ class FakeAsyncFFN:
         self.sent = []
         self.ends = 0
 
-    def recv_ffn_work_item(self, stage_idx=0, max_num_tokens=None, *, layer_idx=None):
-        assert layer_idx is None, "an async connector reads the layer off the wire"
+    def recv_next(self, stage_idx=0, max_num_tokens=None):
         return self.items.pop(0)
 
     def send_ffn_output(self, output, item):
@@ -32,6 +34,9 @@ class FakeAsyncFFN:
 
     def end_step(self):
         self.ends += 1
+
+
+StreamingFFNConnector.register(FakeAsyncFFN)
 
 
 def item(layer, rows, stop=False):
@@ -62,8 +67,8 @@ def test_items_name_their_layer_and_stop_ends_the_loop():
     assert snap["bytes"] == {"sent": 2 * 4 * 4 + 1 * 4 * 4, "received": 2 * 4 * 4 + 1 * 4 * 4}
 
 
-def test_refuses_a_sync_connector():
-    conn = FakeAsyncFFN([])
-    conn.control_plane = object()
+def test_refuses_a_scheduled_connector():
+    class Scheduled:  # not a StreamingFFNConnector
+        local_rank = 0
     with pytest.raises(ValueError, match="sync runner"):
-        AsyncFFNRunner(conn, lambda it: it.hidden_states)
+        AsyncFFNRunner(Scheduled(), lambda it: it.hidden_states)

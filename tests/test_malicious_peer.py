@@ -90,7 +90,7 @@ def test_any_step_frame_is_refused_or_fits_this_roles_limit(data):
     control = GlooControlPlane(FramesIO(sent), peers, "ffn", 1.0)
     try:
         plan = control.recv_step(1.0)
-        conn.on_step(plan)
+        conn._on_step(plan)
     except (AFDPeerError, AFDProtocolError) as e:
         assert "attention" in str(e) or "global rank" in str(e), e
         return

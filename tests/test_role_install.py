@@ -65,12 +65,14 @@ def test_role_installs_alone(role, other, wheels, third_party, tmp_path):
     check = f"""
 import importlib.util, json
 from importlib.metadata import distributions
-from afd_common.registry import installed_connectors, resolve_connector
+from afd_common.registry import installed_connectors, resolve_connector, resolve_role
 import afd_{role}
 names = sorted(d.metadata["Name"] for d in distributions() if d.metadata["Name"].startswith("afd"))
 halves = {{n: sorted(h) for n, h in installed_connectors().items()}}
 cls = resolve_connector("P2pAFDConnector", "{role}")
+workers = resolve_role("{role}").workers
 print(json.dumps({{"names": names, "halves": halves, "cls": cls.__module__,
+                  "workers": sorted(workers.values()),
                   "other": importlib.util.find_spec("afd_{other}") is not None}}))
 """
     out = subprocess.run([str(py), "-c", check], capture_output=True, text=True, cwd=tmp_path)
@@ -80,7 +82,12 @@ print(json.dumps({{"names": names, "halves": halves, "cls": cls.__module__,
     assert got["halves"]["P2pAFDConnector"] == [role]
     assert got["cls"] == f"afd_{role}.p2p_connector"
     assert got["other"] is False
+    assert got["workers"] and all(w.startswith(f"afd_{role}.") for w in got["workers"])
     wrong = subprocess.run([str(py), "-c", "from afd_common.registry import resolve_connector;"
                             f"resolve_connector('P2pAFDConnector', '{other}')"],
                            capture_output=True, text=True, cwd=tmp_path)
     assert f"install afd-{other}" in wrong.stderr
+    no_role = subprocess.run([str(py), "-c", "from afd_common.registry import resolve_role;"
+                              f"resolve_role('{other}')"], capture_output=True, text=True,
+                             cwd=tmp_path)
+    assert f"install afd-{other}" in no_role.stderr

@@ -180,12 +180,12 @@ def test_ffn_side_refuses_a_step_larger_than_its_own_limit():
     conn = resolve_connector("P2pAFDConnector", "ffn")(cfg, 0, shape)
     ok = StepPlan(0, {0: StepMetadata(0, StepKind.RUN, (32, 32)),
                       1: StepMetadata(0, StepKind.RUN, (0, 64))})
-    conn.on_step(ok)
+    conn._on_step(ok)
     huge = StepPlan(1, {0: StepMetadata(1, StepKind.RUN, (1, 2**40)),
                         1: StepMetadata(1, StepKind.RUN, (0, 1))})
     with pytest.raises(AFDProtocolError, match="attention rank 0 announced .* more than "
                                                "max_num_tokens 64"):
-        conn.on_step(huge)
+        conn._on_step(huge)
 
 
 @pytest.mark.parametrize("connector", ["P2pAFDConnector", "CAMP2pAFDConnector"])

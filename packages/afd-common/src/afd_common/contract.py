@@ -11,21 +11,25 @@ Attention half (``AttentionConnector``), called by the attention model wrapper, 
         ... compute attention of stage s+1 ...
         recv_ffn_output(LayerCall(layer, s)) -> Tensor                          # waits, bounded
 
-FFN half (``FFNConnector``), called by an FFN runner:
+FFN half: one of two protocols, and the FFN runner is chosen by which (``afd_ffn.service``):
 
-* sync connectors (``control_plane`` is not None)::
+* ``ScheduledFFNConnector`` (P2P, CAMP2p: a control plane announces each step), driven by the
+  sync runner::
 
       plan = recv_step()                 # blocks until the attention side starts a step
       for each MoE layer, for each stage s:
-          item = recv_ffn_work_item(s, layer_idx=layer)
+          item = recv_layer(s, layer)    # exactly the rows the plan announced
           send_ffn_output(experts(item), item)
+      end_step()
 
-* async connectors (``control_plane is None``): the receive is the clock::
+* ``StreamingFFNConnector`` (CAMAsync: no control plane; the receive is the clock), driven by
+  the async runner::
 
       while True:
-          item = recv_ffn_work_item(stage_idx, max_num_tokens)   # item.layer_idx off the wire
+          item = recv_next(stage_idx, max_num_tokens)   # item.layer_idx off the wire
           if item.meta.is_stop: break
           send_ffn_output(experts(item), item)
+          end_step()
 
 Lifecycle: ``init()`` rendezvouses, runs the handshake (``fingerprint()`` of both sides must
 agree) and forms the process groups; ``close()`` releases them and is idempotent. Every blocking
@@ -101,7 +105,7 @@ class AFDConnector(abc.ABC):
 
     #: "attention" or "ffn": which half this class is.
     role: ClassVar[str]
-    #: True for connectors whose FFN side runs a receive loop (``control_plane is None``).
+    #: True for connectors whose FFN half streams (``StreamingFFNConnector``): no control plane.
     supports_async_dp: ClassVar[bool] = False
     #: True when the connector needs top-k routing from the attention side.
     requires_gate_on_attention: ClassVar[bool] = False
@@ -198,32 +202,42 @@ class AttentionConnector(AFDConnector):
 
 
 class FFNConnector(AFDConnector):
+    """What both FFN protocols share: the result goes back, and a served unit ends."""
+
     role: ClassVar[str] = "ffn"
-
-    def recv_step(self) -> StepPlan:
-        cp = self.control_plane
-        if cp is None:
-            raise RuntimeError(f"{type(self).__name__} has no control plane; "
-                               "drive it with the async runner")
-        plan = cp.recv_step(None)
-        self.on_step(plan)
-        return plan
-
-    def on_step(self, plan: StepPlan) -> None:
-        """Hook: sync connectors remember the plan to size the receives of the step."""
-
-    @abc.abstractmethod
-    def recv_ffn_work_item(self, stage_idx: int = 0, max_num_tokens: int | None = None, *,
-                           layer_idx: int | None = None) -> WorkItem:
-        """Next batch of rows to run. Sync connectors are told ``layer_idx`` by the runner;
-        async connectors read it off the wire. Bounded wait."""
 
     @abc.abstractmethod
     def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
         """Return ``item``'s result rows to their sources. Never blocks on the peer."""
 
     def end_step(self) -> None:
+        """A step (scheduled) or a work item (streaming) is served: later waits use the step
+        timeout."""
         self.timeouts.step_done()
+
+
+class ScheduledFFNConnector(FFNConnector):
+    """The step's token counts first, then every layer and stage in order, each receive posted
+    with its exact size."""
+
+    @abc.abstractmethod
+    def recv_step(self) -> StepPlan:
+        """The next step's plan: every served attention rank's ``StepMetadata``. Waits as long
+        as the peers are connected (an idle role may wait for days)."""
+
+    @abc.abstractmethod
+    def recv_layer(self, stage_idx: int, layer_idx: int,
+                   max_num_tokens: int | None = None) -> WorkItem:
+        """The rows of ``layer_idx`` and ``stage_idx`` the plan announced. Bounded wait."""
+
+
+class StreamingFFNConnector(FFNConnector):
+    """No schedule: whatever work item of any layer arrives next."""
+
+    @abc.abstractmethod
+    def recv_next(self, stage_idx: int = 0, max_num_tokens: int | None = None) -> WorkItem:
+        """The next work item; its layer and stage come off the wire (``item.meta``). A stop
+        item (``item.meta.is_stop``) says every attention rank stopped. Bounded wait."""
 
 
 def deadline(timeout_s: float) -> float:

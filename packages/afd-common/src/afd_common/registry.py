@@ -1,14 +1,18 @@
-"""Connector lookup through entry points.
+"""What the role packages register, found through entry points: one group per concept.
 
-Each package registers the halves it ships in the ``afd.connectors`` group, named
-``"<role>:<ConnectorName>"`` (for example ``"ffn:P2pAFDConnector"``). That is the only place a
-connector's name is written: a third party adds a connector by shipping its own entry points, and
-an alias (``P2pNcclAFDConnector``) is one more entry point to the same class.
+* Connectors: each package registers the halves it ships in the ``afd.connectors`` group, named
+  ``"<role>:<ConnectorName>"`` (for example ``"ffn:P2pAFDConnector"``). That is the only place a
+  connector's name is written: a third party adds a connector by shipping its own entry points,
+  and an alias (``P2pNcclAFDConnector``) is one more entry point to the same class.
+* Roles: each role package registers one ``RolePlugin`` in the ``afd.roles`` group, named after
+  the role: its vLLM workers per platform and its hook into vLLM's config. afd_common never
+  imports a role; this is how it reaches one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -65,3 +69,29 @@ def resolve_connector(name: str, role: str) -> type[Any]:
         raise AFDConfigError("connector", name, f"its {role} half is not installed in this "
                              f"environment (only its {other.role} half is); install {package}")
     return entry.entry_point.load()
+
+
+ROLE_GROUP = "afd.roles"
+
+
+@dataclass(frozen=True)
+class RolePlugin:
+    """A role package's registration (``afd.roles``, named after the role)."""
+
+    role: str
+    #: The role's vLLM worker per platform kind ("cpu", "cuda"), as vLLM's ``worker_cls`` takes
+    #: it ("module.Class"): chosen when vLLM completes its config, imported only by the worker.
+    workers: Mapping[str, str]
+    #: Runs where vLLM completes its config, after afd_common's checks, with the vLLM config and
+    #: the role's ``AFDConfig``: the role's config-time changes (the attention role's async-DP
+    #: engine patch).
+    on_vllm_config: Callable[[Any, Any], None] = field(default=lambda vllm_config, afd: None)
+
+
+def resolve_role(role: str) -> RolePlugin:
+    """The installed plugin of ``role``; ``AFDConfigError`` (field ``role``) names the package
+    to install when it is missing."""
+    for ep in entry_points(group=ROLE_GROUP, name=role):
+        return ep.load()
+    raise AFDConfigError("role", role, f"the {role} role is not installed in this environment; "
+                         f"install {ROLE_PACKAGES.get(role, 'its package')}")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from afd_common.config import AFDConfig, parse_afd_config
+from afd_common.contract import ScheduledFFNConnector
 from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
 from afd_common import inorder
 from afd_common.placement import placement_for
@@ -159,7 +160,7 @@ def ffn_rank(spec: Spec, rank: int) -> dict:
     served = {"rows": 0, "steps": 0}
     warm = None
     with conn:
-        if conn.control_plane is None:
+        if not isinstance(conn, ScheduledFFNConnector):
             return _serve_async(conn, served, spec.num_layers)
         while True:
             plan = conn.recv_step()
@@ -171,7 +172,7 @@ def ffn_rank(spec: Spec, rank: int) -> dict:
                 if spec.die_ffn_rank == rank and (plan.step, layer) == spec.die_at:
                     os._exit(17)
                 for stage in range(plan.num_stages):
-                    item = conn.recv_ffn_work_item(stage, layer_idx=layer)
+                    item = conn.recv_layer(stage, layer)
                     if item.num_tokens and owners is not None:
                         y = expected_async(item.hidden_states, layer, stage, item.topk_ids,
                                            item.topk_weights, owners[item.topk_ids.long()] == rank)
@@ -192,7 +193,7 @@ def _serve_async(conn, served: dict, warm_after: int) -> dict:
     served["items"] = 0
     warm = None
     while True:
-        item = conn.recv_ffn_work_item(0)
+        item = conn.recv_next(0)
         if served["items"] == warm_after:
             warm = rss_mib()
         if item.meta.is_stop:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd_common.attention_half import AttentionHalf
-from afd_common.contract import ControlPlane, FFNConnector, StepPlan
+from afd_common.contract import ControlPlane, ScheduledFFNConnector, StepPlan
 from afd_common.control_plane import GlooControlPlane
 from afd_common.errors import AFDProtocolError
 from afd_common.metadata import LayerCall, StepKind, StepMetadata, WorkItem, WorkItemMeta
@@ -97,14 +97,20 @@ class SyncAttentionConnector(_SyncHalf, AttentionHalf):
             net.close()
 
 
-class SyncFFNConnector(_SyncHalf, FFNConnector):
+class SyncFFNConnector(_SyncHalf, ScheduledFFNConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._links = self.topology.links_of_ffn(self.local_rank)
         self._plan: StepPlan | None = None
         self._sources: list[tuple[tuple[int, int], ...]] = []
 
-    def on_step(self, plan: StepPlan) -> None:
+    def recv_step(self) -> StepPlan:
+        plan = self._require_net().control.recv_step(None)
+        self._on_step(plan)
+        return plan
+
+    def _on_step(self, plan: StepPlan) -> None:
+        """Remember the plan: it sizes every receive of the step."""
         # A peer's counts are checked against this role's own limit before anything is sized by
         # them (both roles run the same --max-num-batched-tokens; the handshake compares it).
         for a, meta in plan.per_source.items():
@@ -120,15 +126,12 @@ class SyncFFNConnector(_SyncHalf, FFNConnector):
             for link in self._links) for stage in range(plan.num_stages)]
 
     def _stage_sources(self, stage_idx: int, max_num_tokens: int | None,
-                       layer_idx: int | None) -> tuple[tuple[int, int], ...]:
+                       layer_idx: int) -> tuple[tuple[int, int], ...]:
         """This stage's (attention rank, rows), after checking the runner's call."""
         self._require_net()
         plan = self._plan
         if plan is None:
-            raise RuntimeError("recv_ffn_work_item before recv_step")
-        if layer_idx is None:
-            raise ValueError(f"{type(self).__name__} is a sync connector: the runner passes "
-                             "layer_idx")
+            raise RuntimeError("recv_layer before recv_step")
         self.shape.check_layer(layer_idx)
         if not 0 <= stage_idx < plan.num_stages:
             raise ValueError(f"stage {stage_idx} out of range: step {plan.step} has "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from afd_common.contract import FFNConnector
+from afd_common.contract import StreamingFFNConnector
 
 from afd_ffn.serving_loop import ComputeFn, ServingLoop
 
@@ -19,17 +19,17 @@ logger = logging.getLogger("vllm.afd")
 class AsyncFFNRunner(ServingLoop):
     """``steps_done`` counts work items: the unit ``/health`` reports for this runner."""
 
-    def __init__(self, connector: FFNConnector, compute: ComputeFn, stage: int = 0):
-        if connector.control_plane is not None:
-            raise ValueError(f"{type(connector).__name__} has a control plane: use the sync "
-                             "runner")
+    def __init__(self, connector: StreamingFFNConnector, compute: ComputeFn, stage: int = 0):
+        if not isinstance(connector, StreamingFFNConnector):
+            raise ValueError(f"{type(connector).__name__} is scheduled by a control plane: use "
+                             "the sync runner")
         super().__init__(connector, compute)
         self.stage = stage
 
     def run_step(self) -> bool:
         """Serve one work item. False once every attention DP group sent its stop item."""
         conn = self.connector
-        item = self._receive(self.stage)
+        item = self._receive(conn.recv_next, self.stage)
         if item.meta.is_stop:
             logger.info("AFD FFN rank %d: every attention rank stopped after %d work items",
                         conn.local_rank, self.steps_done)

@@ -1,6 +1,6 @@
 """FFN half of ``CAMAsyncAFDConnector`` (Ascend, async DP): the receive is the clock.
 
-``recv_ffn_work_item`` returns whatever ``afd_ascend.afd_async_dispatch_recv`` delivers next: one
+``recv_next`` returns whatever ``afd_ascend.afd_async_dispatch_recv`` delivers next: one
 attention DP group's rows for one layer (or part of them, when they exceed the capacity), each
 row a (token, expert) pair for one of this rank's local experts. The layer index comes off the
 wire. The item routes each row to its expert with weight 1 (``topk_ids`` [rows, 1] global expert
@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 
 from afd_common.cam_wire import ATTENTION_TP as TP_SIZE, CAMAsyncHalf, op_error, release_sends
-from afd_common.contract import FFNConnector
+from afd_common.contract import StreamingFFNConnector
 from afd_common.errors import AFDProtocolError
 from afd_common.metadata import StepKind, WorkItem, WorkItemMeta
 
 
-class CAMAsyncFFNConnector(CAMAsyncHalf, FFNConnector):
+class CAMAsyncFFNConnector(CAMAsyncHalf, StreamingFFNConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._groups = self.config.num_attention_ranks // TP_SIZE
@@ -33,7 +33,7 @@ class CAMAsyncFFNConnector(CAMAsyncHalf, FFNConnector):
         return dict(moe_rank_id=self.topology.ffn_global_rank(self.local_rank), tp_size=TP_SIZE,
                     **self._op_args())
 
-    def recv_ffn_work_item(self, stage_idx=0, max_num_tokens=None, *, layer_idx=None) -> WorkItem:
+    def recv_next(self, stage_idx=0, max_num_tokens=None) -> WorkItem:
         """``max_num_tokens``: the capacity in rows. The default is the most rows one local
         expert can get from one DP group (each token picks an expert once), so no expert ever
         overflows; a larger group arrives as several items."""

@@ -23,11 +23,11 @@ class CAMP2pFFNConnector(CAMP2pHalf, SyncFFNConnector):
         self._peer = f"attention rank{'s' if len(served) > 1 else ''} " + \
             ", ".join(map(str, served))
 
-    def on_step(self, plan) -> None:
-        super().on_step(plan)
+    def _on_step(self, plan) -> None:
+        super()._on_step(plan)
         self._release_sends()
 
-    def recv_ffn_work_item(self, stage_idx=0, max_num_tokens=None, *, layer_idx=None) -> WorkItem:
+    def recv_layer(self, stage_idx, layer_idx, max_num_tokens=None) -> WorkItem:
         sources = self._stage_sources(stage_idx, max_num_tokens, layer_idx)
         shape, gate = self.shape, self.config.compute_gate_on_attention
         total = sum(n for _, n in sources)

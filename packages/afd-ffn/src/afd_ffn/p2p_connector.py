@@ -24,7 +24,7 @@ class P2pFFNConnector(SyncFFNConnector):
     def _open(self):
         return open_p2p_world(self)
 
-    def recv_ffn_work_item(self, stage_idx=0, max_num_tokens=None, *, layer_idx=None) -> WorkItem:
+    def recv_layer(self, stage_idx, layer_idx, max_num_tokens=None) -> WorkItem:
         sources = self._stage_sources(stage_idx, max_num_tokens, layer_idx)
         net, plan = self._net, self._plan
         shape, gate = self.shape, self.config.compute_gate_on_attention

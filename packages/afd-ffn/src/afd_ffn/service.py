@@ -19,6 +19,7 @@ import threading
 import time
 
 from afd_common.config import AFDConfig
+from afd_common.contract import ScheduledFFNConnector
 from afd_common.errors import AFDError, AFDTimeoutError
 from afd_common import lifecycle, role_status
 from afd_common.metadata import ModelShape
@@ -123,9 +124,7 @@ class FFNService:
             self.worlds += 1
             logger.info("AFD FFN rank %d: connected; serving %d MoE layers (attention world "
                         "%d)", self.rank, len(self.shape.moe_layers), self.worlds)
-            # Connectors without a control plane carry the layer index in their data: the
-            # receive loop is the clock.
-            runner_cls = (SyncFFNRunner if connector.control_plane is not None
+            runner_cls = (SyncFFNRunner if isinstance(connector, ScheduledFFNConnector)
                           else AsyncFFNRunner)
             self.runner = runner_cls(connector, self.compute)
             steps = self.runner.run(self._stop.is_set)

@@ -27,9 +27,9 @@ class ServingLoop(abc.ABC):
         self.steps_done = 0
         self.last_step_at: float | None = None
 
-    def _receive(self, stage: int, **kwargs) -> WorkItem:
+    def _receive(self, recv: Callable[..., WorkItem], *args) -> WorkItem:
         start = time.perf_counter()
-        item = self.connector.recv_ffn_work_item(stage, **kwargs)
+        item = recv(*args)
         self.metrics.wait(time.perf_counter() - start)
         return item
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from afd_common.contract import FFNConnector
+from afd_common.contract import ScheduledFFNConnector
 from afd_common.metadata import StepKind
 
 from afd_ffn.serving_loop import ComputeFn, ServingLoop
@@ -18,8 +18,11 @@ logger = logging.getLogger("vllm.afd")
 
 
 class SyncFFNRunner(ServingLoop):
-    def __init__(self, connector: FFNConnector, compute: ComputeFn,
+    def __init__(self, connector: ScheduledFFNConnector, compute: ComputeFn,
                  moe_layers: tuple[int, ...] | None = None):
+        if not isinstance(connector, ScheduledFFNConnector):
+            raise ValueError(f"{type(connector).__name__} streams its work items: use the "
+                             "async runner")
         super().__init__(connector, compute)
         self.moe_layers = tuple(moe_layers if moe_layers is not None
                                 else connector.shape.moe_layers)
@@ -34,5 +37,5 @@ class SyncFFNRunner(ServingLoop):
             return False
         for layer in self.moe_layers:
             for stage in range(plan.num_stages):
-                self._answer(self._receive(stage, layer_idx=layer))
+                self._answer(self._receive(conn.recv_layer, stage, layer))
         return self._served()

@@ -1,7 +1,7 @@
 """afd_attention's changes to vLLM. Each module builds one ``afd_common.patching.PatchSet``.
 
-``on_vllm_config`` is this package's hook into the process that builds the vLLM config (entry
-point group ``afd.vllm_config``, called by ``afd_common.patches.vllm_config`` after it checked
+``on_vllm_config`` is this package's hook into the process that builds the vLLM config (its
+``RolePlugin``, afd_attention.role, called by ``afd_common.patches.vllm_config`` after it checked
 the platform): it installs the async-DP engine patch where async DP is on.
 """
 

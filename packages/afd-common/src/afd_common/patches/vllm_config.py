@@ -9,23 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
-from importlib.metadata import entry_points
 
 from afd_common import lifecycle, models
 from afd_common.config import AFDConfig, afd_config_from_vllm
 from afd_common.errors import AFDConfigError
 from afd_common.patching import PatchSet
+from afd_common.registry import resolve_role
 from afd_common.vllm_model import ATTENTION_EP_KEY, expert_placement
 
 logger = logging.getLogger("vllm.afd")
-
-WORKERS = {
-    ("cpu", "attention"): "afd_attention.cpu_worker.AFDAttentionCPUWorker",
-    ("cpu", "ffn"): "afd_ffn.cpu_worker.AFDFFNCPUWorker",
-    ("cuda", "attention"): "afd_attention.gpu_worker.AFDAttentionGPUWorker",
-    ("cuda", "ffn"): "afd_ffn.gpu_worker.AFDFFNGPUWorker",
-}
-
 
 # Honest about Ascend: the AFD workers subclass a platform's vLLM worker, and no vllm-ascend
 # release supports the vLLM this afd is built on. The ops and both CAM connectors are tested on CPU.
@@ -68,8 +60,9 @@ def before(vllm_config, afd: AFDConfig) -> None:
     kind = _device_kind()
     if afd.async_dp:
         _check_async_dp(afd, kind)
+    plugin = resolve_role(afd.role)
     if parallel.worker_cls == "auto":
-        worker = WORKERS.get((kind, afd.role))
+        worker = plugin.workers.get(kind)
         if kind == "npu":
             raise AFDConfigError("role", afd.role, NO_NPU_WORKER)
         if worker is None:
@@ -79,10 +72,7 @@ def before(vllm_config, afd: AFDConfig) -> None:
     # Our runners extend vLLM's V1 model runner.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     lifecycle.install_root_failure_handler()
-    # The role package's own config-time changes (e.g. async DP's engine patch), found through
-    # its entry point so this package never imports a role.
-    for hook in entry_points(group="afd.vllm_config", name=afd.role):
-        hook.load()(vllm_config, afd)
+    plugin.on_vllm_config(vllm_config, afd)  # the role's own (e.g. async DP's engine patch)
 
 
 def _check_placement(vllm_config, afd: AFDConfig) -> None:
