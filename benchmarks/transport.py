@@ -92,8 +92,7 @@ def attention_main(args, ports, q) -> None:
                 t0 = time.perf_counter()
                 conn.begin_step(StepMetadata(step, StepKind.RUN, (t,)))
                 for layer in range(args.layers):
-                    conn.send_attn_output(x, LayerCall(layer))
-                    y = conn.recv_ffn_output(LayerCall(layer))
+                    y = conn.recv_ffn_output(conn.send_attn_output(x, LayerCall(layer)))
                 conn.end_step()
                 t1 = time.perf_counter()
                 for _ in range(args.layers):

@@ -20,6 +20,7 @@ from afd_attention.micro_batches import MicroBatchPipeline
 from afd_attention.session import AttentionSession
 from afd_common import lifecycle, role_status
 from afd_common.config import parse_afd_config
+from afd_common.contract import PendingResult
 from afd_common.errors import AFDPeerError, AFDTimeoutError
 from afd_common.metadata import ModelShape
 from afd_common.placement import placement_for
@@ -73,8 +74,10 @@ class World:
     def send_attn_output(self, x, call, topk_ids=None, topk_weights=None):
         self.calls.append(("send", call.layer_idx, call.stage, x.shape[0]))
         self._out[call] = x * (call.layer_idx + 1)
+        return PendingResult(call)
 
-    def recv_ffn_output(self, call):
+    def recv_ffn_output(self, pending):
+        call = pending.call
         if self.ffn.die_at == (self.index, call.layer_idx):
             self.ffn.die_at = None
             self.ffn.die()
@@ -246,11 +249,11 @@ def test_a_split_step_interrupted_in_its_second_micro_batch_runs_again_whole(fai
     assert torch.equal(s.run_forward(split_forward), expected(x))
 
     class DieInStage1(World):
-        def recv_ffn_output(self, call):
-            if (call.layer_idx, call.stage, self.index) == (2, 1, 1):
+        def recv_ffn_output(self, pending):
+            if (pending.call.layer_idx, pending.call.stage, self.index) == (2, 1, 1):
                 self.ffn.up.clear()
                 raise AFDPeerError("stage 1: connection reset")
-            return super().recv_ffn_output(call)
+            return super().recv_ffn_output(pending)
 
     ffn.up.clear()
     s._new_connector = lambda cfg: DieInStage1(ffn, cfg)
@@ -273,7 +276,7 @@ def test_a_forward_interrupted_too_often_fails(failures):
     ffn.up.set()
 
     class AlwaysDies(World):
-        def recv_ffn_output(self, call):
+        def recv_ffn_output(self, pending):
             self.ffn.die()  # it restarts, and this step kills it again
             raise AFDPeerError("killed by this step")
 

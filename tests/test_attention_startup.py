@@ -14,6 +14,7 @@ import torch
 
 from afd_attention.session import AttentionSession
 from afd_common.config import parse_afd_config
+from afd_common.contract import PendingResult
 from afd_common.errors import AFDPeerError
 from afd_common.metadata import ModelShape
 from afd_common.placement import placement_for
@@ -37,9 +38,10 @@ class Recording:
     def send_attn_output(self, x, call, topk_ids=None, topk_weights=None):
         self.calls.append(("send", call.layer_idx, call.stage, x.shape[0]))
         self._out[call] = x * 2
+        return PendingResult(call)
 
-    def recv_ffn_output(self, call):
-        return self._out.pop(call)
+    def recv_ffn_output(self, pending):
+        return self._out.pop(pending.call)
 
     def end_step(self):
         self.calls.append(("end",))

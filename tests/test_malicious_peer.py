@@ -125,17 +125,19 @@ def _liar_entry(spec: Spec, attack: str, q) -> None:
             x = torch.ones(2, spec.hidden_size)
             ids = torch.zeros(2, spec.top_k, dtype=torch.int32)
             w = torch.full((2, spec.top_k), 0.5)
+            pending = None
             if attack == "huge_step":
                 conn.control_plane.send_step(StepMetadata(0, StepKind.RUN, (2**40 - 1,)))
             elif attack == "expert_id":
                 conn.begin_step(StepMetadata(0, StepKind.RUN, (2,)))
-                conn.send_attn_output(x, _call(0), ids + spec.num_experts + 5, w)
+                pending = conn.send_attn_output(x, _call(0), ids + spec.num_experts + 5, w)
             elif attack == "layer":  # CAMAsync: the layer index travels in the header
                 conn.begin_step(StepMetadata(0, StepKind.RUN, (2,)))
                 conn._dispatch(x, ids, 0, 999)
             # Stay until the FFN rank has refused (its end closes the connection).
             try:
-                conn.recv_ffn_output(_call(0))
+                if pending is not None:
+                    conn.recv_ffn_output(pending)
             except Exception:  # noqa: BLE001 - expected: the peer refused and left
                 pass
         q.put(("attention", "ok", "", _peak_rss_mib()))

@@ -15,7 +15,6 @@ import torch
 from afd_common import metrics
 from afd_common.attention_half import AttentionHalf
 from afd_common.cam_wire import ATTENTION_TP, CAMAsyncHalf, op_error, release_sends
-from afd_common.metadata import LayerCall
 from afd_common.sync_connector import WATCH_TAG
 
 STOP_LAYER = -1
@@ -45,7 +44,7 @@ class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionHalf):
             layer_index=layer, tp_size=ATTENTION_TP, dynamic_quant=self._quant,
             attn_rank_id=self.local_rank, **self._op_args())
 
-    def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None) -> None:
+    def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None):
         self._require_links()
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
         ids = topk_ids.to(torch.int32)
@@ -56,11 +55,12 @@ class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionHalf):
                            "the FFN ranks") from None
         self._rec.routed_per_rank(torch.bincount(self._owner[ids.flatten().long()],
                                                  minlength=self.config.num_ffn_ranks))
-        self._inflight[call] = (rows, ids, topk_weights.to(torch.float32))
+        return self._pending(call, (rows, ids, topk_weights.to(torch.float32)))
 
-    def recv_ffn_output(self, call: LayerCall) -> torch.Tensor:
+    def recv_ffn_output(self, pending) -> torch.Tensor:
         self._require_links()
-        rows, ids, weights = self._pop_inflight(call)
+        rows, ids, weights = self._take(pending)
+        call = pending.call
         like = torch.empty(0, self.shape.hidden_size, dtype=self.shape.dtype, device=self.device)
         try:
             return torch.ops.afd_ascend.afd_async_combine_recv(

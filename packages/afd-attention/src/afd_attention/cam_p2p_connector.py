@@ -14,7 +14,6 @@ import torch
 
 from afd_common import metrics
 from afd_common.cam_wire import CAMP2pHalf, op_error
-from afd_common.metadata import LayerCall
 from afd_common.sync_connector import SyncAttentionConnector
 
 
@@ -29,7 +28,7 @@ class CAMP2pAttentionConnector(CAMP2pHalf, SyncAttentionConnector):
         super().begin_step(meta)
         self._release_sends()
 
-    def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None) -> None:
+    def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None):
         self._require_net()
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
         gate = topk_ids is not None
@@ -43,13 +42,14 @@ class CAMP2pAttentionConnector(CAMP2pHalf, SyncAttentionConnector):
                            self._peer) from None
         if self._owner is None:
             self._rec.routed(self._ffn_rank, rows)
-            self._inflight[call] = (rows, None)
+            return self._pending(call, (rows, None))
         else:  # sharded: rows per FFN rank, and which ranks each row went to
             self._rec.routed_per_rank(counts)
-            self._inflight[call] = (rows, routed)
+            return self._pending(call, (rows, routed))
 
-    def recv_ffn_output(self, call: LayerCall) -> torch.Tensor:
-        rows, routed = self._pop_inflight(call)
+    def recv_ffn_output(self, pending) -> torch.Tensor:
+        rows, routed = self._take(pending)
+        call = pending.call
         like = torch.empty(rows, self.shape.hidden_size, dtype=self.shape.dtype,
                            device=self.device)
         try:

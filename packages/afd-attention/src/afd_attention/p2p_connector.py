@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from afd_common import metrics
-from afd_common.metadata import LayerCall
 from afd_common.p2p_wire import PROTOCOL, count_tag, data_tag, open_p2p_world, pack
 from afd_common.sync_connector import SyncAttentionConnector
 
@@ -29,13 +28,12 @@ class P2pAttentionConnector(SyncAttentionConnector):
     def _open(self):
         return open_p2p_world(self)
 
-    def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None) -> None:
+    def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None):
         net = self._require_net()
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
         if self.topology.sharded:
-            self._inflight[call] = self._send_sharded(net, call, rows, hidden_states, topk_ids,
-                                                      topk_weights)
-            return
+            return self._pending(call, self._send_sharded(net, call, rows, hidden_states,
+                                                          topk_ids, topk_weights))
         out = torch.empty_like(hidden_states)
         pending = []
         start = 0
@@ -55,7 +53,7 @@ class P2pAttentionConnector(SyncAttentionConnector):
             net.data.isend(msg, dst, tag)
             pending.append(net.data.irecv(out[sl], dst, tag, what))
             self._rec.routed(link.ffn_rank, n)
-        self._inflight[call] = (out, pending)
+        return self._pending(call, (out, pending))
 
     def _send_sharded(self, net, call, rows, hidden, topk_ids, topk_weights):
         tag, ctag = data_tag(call.layer_idx, call.stage), count_tag(call.layer_idx, call.stage)
@@ -75,8 +73,8 @@ class P2pAttentionConnector(SyncAttentionConnector):
                 self._rec.routed(f, n)
         return rows, hidden, parts
 
-    def recv_ffn_output(self, call: LayerCall) -> torch.Tensor:
-        state = self._pop_inflight(call)
+    def recv_ffn_output(self, pending) -> torch.Tensor:
+        state = self._take(pending)
         net = self._net
         timeout = self.timeouts.current()
         if self.topology.sharded:

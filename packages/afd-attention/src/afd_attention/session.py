@@ -315,16 +315,16 @@ class AttentionSession:
             sent = time.perf_counter()
             if self._since[stage] is not None:  # None in forwards the runner did not time
                 rec.attention_compute(sent - self._since[stage])
-            conn.send_attn_output(x.contiguous(), call, topk_ids, topk_weights)
+            pending = conn.send_attn_output(x.contiguous(), call, topk_ids, topk_weights)
             empty = range(stage + 1, self.num_stages) if stage == self._last_busy else ()
-            for s in empty:
-                conn.send_attn_output(*self._empty_rows(x), LayerCall(layer, s),
-                                      *self._empty_routing(topk_ids, topk_weights))
+            empties = [conn.send_attn_output(*self._empty_rows(x), LayerCall(layer, s),
+                                             *self._empty_routing(topk_ids, topk_weights))
+                       for s in empty]
             micro_batches.hand_over()  # the next stage's attention overlaps our experts
             waiting = time.perf_counter()
-            out = conn.recv_ffn_output(call)
-            for s in empty:
-                conn.recv_ffn_output(LayerCall(layer, s))
+            out = conn.recv_ffn_output(pending)
+            for p in empties:
+                conn.recv_ffn_output(p)
             done = self._since[stage] = time.perf_counter()
             rec.wait(done - waiting)
             rec.roundtrip(done - sent)

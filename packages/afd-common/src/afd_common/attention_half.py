@@ -3,7 +3,7 @@ in flight, and the checks that refuse bad input before anything is sent."""
 
 from __future__ import annotations
 
-from afd_common.contract import AttentionConnector
+from afd_common.contract import AttentionConnector, PendingResult
 from afd_common.metadata import LayerCall, StepMetadata
 
 
@@ -11,7 +11,7 @@ class AttentionHalf(AttentionConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._step: StepMetadata | None = None
-        self._inflight: dict[LayerCall, object] = {}
+        self._inflight: set[LayerCall] = set()  # sent, result not yet received
 
     def begin_step(self, meta: StepMetadata) -> None:
         if self._inflight:
@@ -20,12 +20,18 @@ class AttentionHalf(AttentionConnector):
         self._step = meta
         super().begin_step(meta)
 
-    def _pop_inflight(self, call: LayerCall):
-        try:
-            return self._inflight.pop(call)
-        except KeyError:
-            raise RuntimeError(f"recv_ffn_output({call}) without a matching send_attn_output; "
-                               f"in flight: {sorted(self._inflight)}") from None
+    def _pending(self, call: LayerCall, state) -> PendingResult:
+        self._inflight.add(call)
+        return PendingResult(call, state)
+
+    def _take(self, pending: PendingResult):
+        """The state of a call in flight, once: a handle received twice, or from before a
+        close, is refused."""
+        if pending.call not in self._inflight:
+            raise RuntimeError(f"recv_ffn_output({pending.call}): not in flight (received "
+                               f"already?); in flight: {sorted(self._inflight)}")
+        self._inflight.discard(pending.call)
+        return pending.state
 
     def _check_send(self, hidden, call, topk_ids, topk_weights) -> int:
         """Rows of ``hidden`` after checking it against the model shape and the step; every

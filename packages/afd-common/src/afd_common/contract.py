@@ -7,9 +7,10 @@ Attention half (``AttentionConnector``), called by the attention model wrapper, 
 
     begin_step(StepMetadata)            # once per step: control plane, if the connector has one
     for each MoE layer, for each micro-batch stage s:
-        send_attn_output(hidden, LayerCall(layer, s), topk_ids, topk_weights)   # never blocks
-        ... compute attention of stage s+1 ...
-        recv_ffn_output(LayerCall(layer, s)) -> Tensor                          # waits, bounded
+        pending = send_attn_output(hidden, LayerCall(layer, s), topk_ids, topk_weights)
+        ... compute attention of stage s+1 ...                 # the send never blocks
+        recv_ffn_output(pending) -> Tensor                     # waits, bounded
+    end_step()
 
 FFN half: one of two protocols, and the FFN runner is chosen by which (``afd_ffn.service``):
 
@@ -42,7 +43,7 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -69,6 +70,16 @@ class Timeouts:
     @classmethod
     def from_config(cls, config: AFDConfig) -> Timeouts:
         return cls(config.extra.first_step_timeout_s, config.extra.step_timeout_s)
+
+
+@dataclass(frozen=True)
+class PendingResult:
+    """What ``send_attn_output`` returns and ``recv_ffn_output`` consumes, once: the connector's
+    state of one call in flight (buffers, posted receives, where each row went), opaque to the
+    caller -- like DeepEP's dispatch handle, which its combine consumes."""
+
+    call: LayerCall
+    state: Any = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -185,12 +196,15 @@ class AttentionConnector(AFDConnector):
     @abc.abstractmethod
     def send_attn_output(self, hidden_states: torch.Tensor, call: LayerCall,
                          topk_ids: torch.Tensor | None = None,
-                         topk_weights: torch.Tensor | None = None) -> None:
-        """Hand one layer's and stage's hidden states to the FFN side. Never blocks on the peer."""
+                         topk_weights: torch.Tensor | None = None) -> PendingResult:
+        """Hand one layer's and stage's rows to the FFN side: ``hidden_states`` [tokens, H] in
+        the model dtype; with the gate on the attention role ``topk_ids`` [tokens, top_k] (int)
+        and ``topk_weights`` [tokens, top_k] (float), else None. Never blocks on the peer."""
 
     @abc.abstractmethod
-    def recv_ffn_output(self, call: LayerCall) -> torch.Tensor:
-        """The FFN result for ``call``, same shape and dtype as what was sent. Bounded wait."""
+    def recv_ffn_output(self, pending: PendingResult) -> torch.Tensor:
+        """The routed experts' output for the rows ``pending`` sent: [tokens, H], the dtype
+        sent. Bounded wait."""
 
     def end_step(self) -> None:
         """The step finished on this side: later waits use the step timeout."""

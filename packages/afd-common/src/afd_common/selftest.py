@@ -131,13 +131,14 @@ def attention_rank(spec: Spec, rank: int) -> dict:
             counts = tuple(tokens(step, rank, s) for s in range(spec.stages))
             conn.begin_step(StepMetadata(step, StepKind.RUN, counts))
             for layer in range(spec.num_layers):
-                inputs = {}
+                inputs, pending = {}, {}
                 for stage in range(spec.stages):
                     inputs[stage] = make_inputs(spec, step, rank, layer, stage, counts[stage])
-                    conn.send_attn_output(inputs[stage][0], LayerCall(layer, stage),
-                                          inputs[stage][1], inputs[stage][2])
+                    pending[stage] = conn.send_attn_output(
+                        inputs[stage][0], LayerCall(layer, stage), inputs[stage][1],
+                        inputs[stage][2])
                 for stage in range(spec.stages):
-                    out = conn.recv_ffn_output(LayerCall(layer, stage))
+                    out = conn.recv_ffn_output(pending[stage])
                     want = want_fn(*inputs[stage][:1], layer, stage, *inputs[stage][1:])
                     if not torch.equal(out, want):
                         bad = (out != want).any(-1).nonzero().flatten().tolist()

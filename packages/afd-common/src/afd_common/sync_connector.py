@@ -16,7 +16,7 @@ from afd_common.attention_half import AttentionHalf
 from afd_common.contract import ControlPlane, ScheduledFFNConnector, StepPlan
 from afd_common.control_plane import GlooControlPlane
 from afd_common.errors import AFDProtocolError
-from afd_common.metadata import LayerCall, StepKind, StepMetadata, WorkItem, WorkItemMeta
+from afd_common.metadata import StepKind, StepMetadata, WorkItem, WorkItemMeta
 from afd_common.transport import PeerIO
 from afd_common.world import AFDWorld
 
@@ -72,9 +72,9 @@ class SyncAttentionConnector(_SyncHalf, AttentionHalf):
         self._require_net()
         super().begin_step(meta)
 
-    def _pop_inflight(self, call: LayerCall):
+    def _take(self, pending):
         self._require_net()
-        return super()._pop_inflight(call)
+        return super()._take(pending)
 
     def close(self) -> None:
         net, self._net = self._net, None
