@@ -16,7 +16,7 @@ def snapshot(patch: PatchSet):
     return attrs, items
 
 
-@pytest.mark.parametrize("name", ["vllm_config", "api_server", "moe_parallel",
+@pytest.mark.parametrize("name", ["vllm_config", "api_server", "moe_parallel", "weight_census",
                                   "attention_remote_moe",
                                   "ffn_prune", "async_dp_engine", "async_dp_forward_context"])
 def test_install_then_uninstall_restores_vllm(name):

@@ -21,7 +21,7 @@ from afd_common.config import afd_config_from_vllm
 from afd_common.models import check_router
 from afd_common.registry import resolve_connector
 from afd_common.model_thread import enter_model_thread
-from afd_common.patches import moe_parallel
+from afd_common.patches import moe_parallel, weight_census
 from afd_common.vllm_model import expert_placement, layer_index, model_shape, weight_summary
 
 from afd_attention.micro_batches import MicroBatchPipeline, split_on_requests
@@ -40,10 +40,13 @@ class AFDAttentionRunnerMixin:
     _afd_split = None
 
     def load_model(self, *args, **kwargs):
-        with remote_moe_patch.build().applied(), moe_parallel.build().applied():
+        held: dict = {}
+        census = weight_census.build(lambda model: held.update(weight_summary(model)))
+        with remote_moe_patch.build().applied(), moe_parallel.build().applied(), \
+                census.applied():
             super().load_model(*args, **kwargs)
-        logger.info("AFD weights: %s", json.dumps({"role": "attention",
-                                                   "by_category": weight_summary(self.model)}))
+        logger.info("AFD weights: %s", json.dumps({
+            "role": "attention", "by_category": held or weight_summary(self.model)}))
         self._afd_connect()
 
     def _afd_connect(self) -> None:

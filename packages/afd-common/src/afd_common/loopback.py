@@ -97,28 +97,32 @@ class LoopbackGroup:
                              f"[0, {self._hub.size}), not {len(tensors)} to {peer}")
         return tensors[0]
 
-    def send(self, tensors, dst: int, tag: int) -> _Work:
-        tensor, hub, me = self._check(tensors, dst), self._hub, self._rank
-        key = (me, dst, tag)
+    def _post(self, counts: Counter, key: tuple[int, int, int],
+              message: torch.Tensor | None = None) -> int:
+        """This operation's place in its (src, dst, tag) order; a send leaves its message."""
+        hub = self._hub
         with hub.cond:
-            if me in hub.left:
-                raise RuntimeError(f"Connection closed: loopback rank {me} left its group")
-            n = hub.sent[key]
-            hub.sent[key] += 1
-            hub.messages[(*key, n)] = tensor.detach().clone()  # Gloo reads it later; we now
+            if self._rank in hub.left:
+                raise RuntimeError(f"Connection closed: loopback rank {self._rank} left its "
+                                   "group")
+            n = counts[key]
+            counts[key] += 1
+            if message is not None:
+                hub.messages[(*key, n)] = message
             hub.cond.notify_all()
-        return _Work(hub, me, dst, lambda: hub.posted[key] > n, lambda: None,
+        return n
+
+    def send(self, tensors, dst: int, tag: int) -> _Work:
+        tensor, hub, key = self._check(tensors, dst), self._hub, (self._rank, dst, tag)
+        # A copy now: Gloo reads the tensor after send returns, the peer may take it much later.
+        n = self._post(hub.sent, key, tensor.detach().clone())
+        return _Work(hub, self._rank, dst, lambda: hub.posted[key] > n, lambda: None,
                      f"rank {dst} to receive tag {tag}")
 
     def recv(self, tensors, src: int, tag: int) -> _Work:
-        tensor, hub, me = self._check(tensors, src), self._hub, self._rank
-        key = (src, me, tag)
-        with hub.cond:
-            if me in hub.left:
-                raise RuntimeError(f"Connection closed: loopback rank {me} left its group")
-            n = hub.posted[key]
-            hub.posted[key] += 1
-            hub.cond.notify_all()
+        tensor, hub, key = self._check(tensors, src), self._hub, (src, self._rank, tag)
+        me = self._rank
+        n = self._post(hub.posted, key)
 
         def take() -> None:
             msg = hub.messages.pop((*key, n))

@@ -12,7 +12,7 @@ import logging
 from afd_common import metrics
 from afd_common.config import afd_config_from_vllm
 from afd_common.models import check_router
-from afd_common.patches import moe_parallel
+from afd_common.patches import moe_parallel, weight_census
 from afd_common.vllm_model import expert_placement, layer_index, model_shape, weight_summary
 
 from afd_ffn.experts import LayerExperts
@@ -31,10 +31,13 @@ class AFDFFNRunnerMixin:
         config = afd_config_from_vllm(self.vllm_config)
         rank = self.vllm_config.parallel_config.data_parallel_index
         placement = expert_placement(self.vllm_config, config.num_ffn_ranks)
-        with prune.build().applied(), moe_parallel.build(placement, rank).applied():
+        held: dict = {}
+        census = weight_census.build(lambda model: held.update(weight_summary(model)))
+        with prune.build().applied(), moe_parallel.build(placement, rank).applied(), \
+                census.applied():
             super().load_model(*args, **kwargs)
-        logger.info("AFD weights: %s", json.dumps({"role": "ffn", "ffn_rank": rank,
-                                                   "by_category": weight_summary(self.model)}))
+        logger.info("AFD weights: %s", json.dumps({
+            "role": "ffn", "ffn_rank": rank, "by_category": held or weight_summary(self.model)}))
         logger.info("AFD FFN rank %d: routed experts %s; this rank holds %s", rank,
                     placement.describe(), _ranges(placement.local_experts(rank)))
         runners = {layer_index(m.layer_name): m for m in self.model.modules()
