@@ -119,8 +119,13 @@ class Deployment:
             service.start()
 
     def stop_ffn(self) -> None:
+        """Stop every FFN service and wait for its thread: none may still hold a rendezvous
+        when the interpreter exits (a C++ store thread destroyed then aborts the process)."""
         for service in self.ffn:
             service.stop()
+        for service in self.ffn:
+            service._thread.join(15)
+            assert not service._thread.is_alive(), f"FFN rank {service.rank} did not stop"
 
     def restart_ffn(self) -> None:
         """Stop every FFN service (their connections close, as a killed role's do) and start
@@ -292,3 +297,33 @@ def test_a_loopback_world_split_over_two_processes_is_refused():
     with pytest.raises(RuntimeError, match="every rank of the AFD world in one process"):
         join_group(OtherProcessStore(), 1, 2)
 
+
+@pytest.mark.parametrize("role", ["ffn", "attention"])
+def test_close_ends_a_wait_for_the_peers_at_once(role):
+    """A stopped FFN service or attention session closes its connector while ``init`` waits
+    for the other role (the FFN role hosts the rendezvous, the attention role looks for it):
+    the wait ends with a clear error at once, not at ``connect_timeout_s``."""
+    from afd_common.errors import AFDPeerError
+
+    shape = ModelShape(hidden_size=HIDDEN, dtype=torch.float32, num_layers=2, moe_layers=(1,),
+                       num_experts=EXPERTS, top_k=TOP_K,
+                       placement=placement_for(EXPERTS, 1, False))
+    config = parse_afd_config({"role": role, "connector": CONNECTOR, "port": free_port(),
+                               "connector_extra_config": {"connect_timeout_s": 60}})
+    conn = resolve_connector(CONNECTOR, role)(config, 0, shape)
+    out: dict = {}
+
+    def connect():
+        try:
+            conn.init()
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            out["error"] = e
+    t = threading.Thread(target=connect)
+    t.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    conn.close()
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - start < 5
+    assert isinstance(out.get("error"), AFDPeerError) and "closed while waiting" in str(
+        out["error"])

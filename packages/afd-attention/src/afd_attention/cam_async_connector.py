@@ -70,7 +70,7 @@ class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionHalf):
             raise op_error(e, f"the expert outputs of layer {call.layer_idx} stage "
                               f"{call.stage}", "the FFN ranks") from None
 
-    def close(self) -> None:
+    def _release(self) -> None:
         links = self._links
         if links is None:
             return

@@ -112,7 +112,7 @@ def open_cam_p2p_world(connector) -> tuple[SyncLinks, list[str]]:
     global_rank = cam_p2p_global_rank(topo.num_ffn_ranks)
     backend = cfg.extra.backend or default_backend(connector.device)
     world = AFDWorld(cfg, connector.local_rank, topo.world_size, global_rank,
-                     connector.fingerprint(), connector.timeouts.first_step_s)
+                     connector.fingerprint(), connector.timeouts.first_step_s, connector.closing)
     links = SyncLinks(world, None)  # type: ignore[arg-type] - control set below
     try:
         ctrl_io = PeerIO(world.group("control", "gloo"), world.describe)
@@ -185,7 +185,8 @@ class OpsLinks:
         cfg, topo = connector.config, connector.topology
         backend = cfg.extra.backend or default_backend(connector.device)
         self.world = AFDWorld(cfg, connector.local_rank, topo.world_size, topo.global_rank,
-                              connector.fingerprint(), connector.timeouts.first_step_s)
+                              connector.fingerprint(), connector.timeouts.first_step_s,
+                              connector.closing)
         self.name = f"afd-camasync-{cfg.port}-{cfg.role}{connector.local_rank}"
         try:
             group = self.world.group("data", backend)

@@ -41,6 +41,7 @@ awaited.
 from __future__ import annotations
 
 import abc
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -137,6 +138,8 @@ class AFDConnector(abc.ABC):
         self.topology = Topology(config.num_attention_ranks, config.num_ffn_ranks,
                                  sharded=shape.placement.sharded)
         self.timeouts = Timeouts.from_config(config)
+        #: Set by ``close``: a wait for the peers in ``init`` (another thread) ends at once.
+        self.closing = threading.Event()
         size = (config.num_attention_ranks if self.role == "attention"
                 else config.num_ffn_ranks)
         if not 0 <= local_rank < size:
@@ -173,9 +176,15 @@ class AFDConnector(abc.ABC):
     def init(self) -> None:
         """Rendezvous, handshake, form process groups. Bounded by the first-step timeout."""
 
-    @abc.abstractmethod
     def close(self) -> None:
-        """Release groups and sockets. Idempotent; safe after a failed ``init``."""
+        """Release groups and sockets; an ``init`` waiting for the peers in another thread
+        raises AFDPeerError at once. Idempotent; safe after a failed ``init``."""
+        self.closing.set()
+        self._release()
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """What ``close`` releases (the groups, after a goodbye to the peers if one is due)."""
 
     def __enter__(self):
         self.init()

@@ -92,7 +92,7 @@ def open_p2p_world(connector, backend: str | None = None) -> SyncLinks:
     cfg, topo = connector.config, connector.topology
     backend = backend or cfg.extra.backend or default_backend(connector.device)
     world = AFDWorld(cfg, connector.local_rank, topo.world_size, topo.global_rank,
-                     connector.fingerprint(), connector.timeouts.first_step_s)
+                     connector.fingerprint(), connector.timeouts.first_step_s, connector.closing)
     try:
         in_order = inorder.enabled()
         data_group = world.group("data", backend)

@@ -76,7 +76,7 @@ class SyncAttentionConnector(_SyncHalf, AttentionHalf):
         self._require_net()
         return super()._take(pending)
 
-    def close(self) -> None:
+    def _release(self) -> None:
         net, self._net = self._net, None
         if net is None:
             return
@@ -164,7 +164,7 @@ class SyncFFNConnector(_SyncHalf, ScheduledFFNConnector):
             raise ValueError(f"FFN output of shape {tuple(output.shape)} {output.dtype}: "
                              f"expected {want} {self.shape.dtype}")
 
-    def close(self) -> None:
+    def _release(self) -> None:
         net, self._net = self._net, None
         if net is None:
             return

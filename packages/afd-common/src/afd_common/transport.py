@@ -66,8 +66,11 @@ class Rendezvous:
     """
 
     def __init__(self, host: str, port: int, is_master: bool, timeout_s: float, what: str,
-                 connect_timeout_s: float | None = None):
+                 connect_timeout_s: float | None = None,
+                 cancel: threading.Event | None = None):
+        """``cancel`` set (from another thread) ends a wait for the peers with AFDPeerError."""
         self.host, self.port = host, port
+        self.cancel = cancel
         start = time.monotonic()
         if is_master:
             sock = _listen_socket(host, port)
@@ -84,6 +87,7 @@ class Rendezvous:
         limit = math.inf if connect_timeout_s is None else connect_timeout_s
         last_log = start
         while True:
+            self.check_cancelled(what)
             left = limit - (time.monotonic() - start)
             try:
                 # A plain connect first: a TCPStore client that finds nobody there logs a C++
@@ -114,6 +118,7 @@ class Rendezvous:
             missing = [k for k in keys if not self.store.check([k])]
             if not missing:
                 return
+            self.check_cancelled(what)
             waited = time.monotonic() - start
             if waited >= limit:
                 raise AFDTimeoutError(f"{what}: still missing {missing} after {limit:.0f} s")
@@ -126,6 +131,10 @@ class Rendezvous:
                                        f"failed: {e}") from None
                 logger.info("%s: waiting for %s (%.0f s)", what, ", ".join(missing),
                             time.monotonic() - start)
+
+    def check_cancelled(self, what: str) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise AFDPeerError(f"{what}: closed while waiting for the peers")
 
     def close(self) -> None:
         self.store = None  # type: ignore[assignment]

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,7 +65,9 @@ class AFDWorld:
 
     def __init__(self, config: AFDConfig, local_rank: int, world_size: int,
                  global_rank_of: Callable[[str, int], int], fingerprint: dict[str, Any],
-                 timeout_s: float):
+                 timeout_s: float, cancel: threading.Event | None = None):
+        """``cancel`` set from another thread (the connector's ``close``) ends a wait for the
+        peers at once, with AFDPeerError."""
         self.config = config
         self.world_size = world_size
         self._global_rank_of = global_rank_of
@@ -80,7 +83,7 @@ class AFDWorld:
         self.what = f"AFD {config.role} rank {local_rank}"
         self.is_master = self.rank == global_rank_of("ffn", 0)
         self.rendezvous = Rendezvous(config.host, config.port, self.is_master, timeout_s,
-                                     self.what, self.connect_timeout_s)
+                                     self.what, self.connect_timeout_s, cancel)
         try:
             if self.is_master:
                 self.rendezvous.store.set("afd/nonce", secrets.token_hex(16))
@@ -152,6 +155,7 @@ class AFDWorld:
                     raise AFDHandshakeError(f"{self.what}: refused by {refusal.get('by')}: "
                                             f"{refusal.get('reason')}")
                 if unchecked and not present:
+                    self.rendezvous.check_cancelled(f"{self.what}: handshake")
                     waited = time.monotonic() - start
                     if limit is not None and waited > limit:
                         raise AFDTimeoutError(f"{self.what}: handshake: no hello from "

@@ -92,7 +92,7 @@ class CAMAsyncFFNConnector(CAMAsyncHalf, StreamingFFNConnector):
             raise op_error(e, f"returning layer {item.layer_idx}",
                            f"attention rank {item.meta.sources[0][0]}") from None
 
-    def close(self) -> None:
+    def _release(self) -> None:
         links, self._links = self._links, None
         if links is not None:
             links.io.closing = True
