@@ -17,7 +17,7 @@ def builders() -> dict:
     from afd_ffn.patches import prune
     return {"vllm_config": vllm_config.build, "api_server": api_server.build,
             "moe_parallel": moe_parallel.build,
-            "weight_census": lambda: weight_census.build(lambda model: None),
+            "weight_census": lambda: weight_census.build({}),
             "attention_remote_moe": remote_moe.build, "ffn_prune": prune.build,
             "async_dp_engine": async_dp_engine.build,
             "async_dp_forward_context": async_dp_forward_context.build}

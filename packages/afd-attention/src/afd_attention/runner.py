@@ -41,9 +41,8 @@ class AFDAttentionRunnerMixin:
 
     def load_model(self, *args, **kwargs):
         held: dict = {}
-        census = weight_census.build(lambda model: held.update(weight_summary(model)))
         with remote_moe_patch.build().applied(), moe_parallel.build().applied(), \
-                census.applied():
+                weight_census.build(held).applied():
             super().load_model(*args, **kwargs)
         logger.info("AFD weights: %s", json.dumps({
             "role": "attention", "by_category": held or weight_summary(self.model)}))

@@ -32,9 +32,8 @@ class AFDFFNRunnerMixin:
         rank = self.vllm_config.parallel_config.data_parallel_index
         placement = expert_placement(self.vllm_config, config.num_ffn_ranks)
         held: dict = {}
-        census = weight_census.build(lambda model: held.update(weight_summary(model)))
         with prune.build().applied(), moe_parallel.build(placement, rank).applied(), \
-                census.applied():
+                weight_census.build(held).applied():
             super().load_model(*args, **kwargs)
         logger.info("AFD weights: %s", json.dumps({
             "role": "ffn", "ffn_rank": rank, "by_category": held or weight_summary(self.model)}))

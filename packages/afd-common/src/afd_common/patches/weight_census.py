@@ -9,19 +9,19 @@ just before ``process_weights_after_loading``. Installed only around model const
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from afd_common.patching import PatchSet
+from afd_common.vllm_model import weight_summary
 
 
-def build(record: Callable[[object], None]) -> PatchSet:
-    """``record(model)`` runs once the checkpoint is loaded, before any repacking."""
+def build(held: dict) -> PatchSet:
+    """``held`` gets the loaded model's ``weight_summary`` before any repacking (it stays
+    empty with a loader that does not go through vLLM's base loader)."""
     from vllm.model_executor.model_loader import base_loader
 
     original = base_loader.process_weights_after_loading
 
     def process_weights_after_loading(model, model_config, target_device):
-        record(model)
+        held.update(weight_summary(model))
         return original(model, model_config, target_device)
 
     return PatchSet("weight_census").setattr(base_loader, "process_weights_after_loading",
