@@ -11,6 +11,8 @@ step and stages without rows must not change a single value. The e2e tier does t
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import tempfile
 import threading
 import time
@@ -30,6 +32,7 @@ from afd_common.placement import placement_for
 from afd_common.server_root import SERVER_PID_ENV
 from afd_common.registry import resolve_connector
 from afd_common.selftest import free_port
+from afd_ffn.loopback_connector import LoopbackFFNConnector
 from afd_ffn.service import FFNService
 
 CONNECTOR = "LoopbackAFDConnector"
@@ -267,6 +270,37 @@ def test_a_restarted_ffn_role_serves_the_interrupted_forward_again(deploy, caplo
     d.step(STEPS[2], seed=2)
     assert "was interrupted" in caplog.text
     assert all(s.worlds == 2 and s.step == 2 for s in d.sessions)
+    assert d.failures == []
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_dp_ranks_lost_a_forward_apart_line_up_on_the_next_ffn_role(deploy, monkeypatch,
+                                                                     caplog, m):
+    """The FFN role sends attention rank 1 its last layer's result and is lost before rank 0's:
+    rank 1 finished the step, rank 0 runs it again. vLLM's DP ranks step together, so rank 1
+    cannot start its next step before rank 0 finished this one; the new FFN role's first step
+    must pair rank 0's re-run with an empty step of rank 1 (told in the handshake), or both
+    wait for each other until a timeout."""
+    d = deploy(2, 1, m, reconnect_timeout_s=30)
+    send = LoopbackFFNConnector.send_ffn_output
+    armed = []
+
+    def send_rank_1_only_then_die(self, output, item):
+        if not (armed and item.layer_idx == MOE_LAYERS[-1] and item.meta.stage == 0):
+            return send(self, output, item)
+        armed.clear()
+        rows = dict(item.meta.sources)
+        meta = dataclasses.replace(item.meta, sources=((0, 0), (1, rows[1])))
+        send(self, output[rows[0]:], dataclasses.replace(item, meta=meta))
+        threading.Thread(target=d.restart_ffn).start()
+    monkeypatch.setattr(LoopbackFFNConnector, "send_ffn_output", send_rank_1_only_then_die)
+    d.step(STEPS[0], seed=0)
+    armed.append(True)
+    caplog.set_level(logging.INFO, logger="vllm.afd")
+    d.step([[3], [2]], seed=1)  # one request each: stage 0 has the rows also when m = 2
+    assert "1 empty step first" in caplog.text and "was interrupted" in caplog.text
+    d.step(STEPS[1], seed=2)
+    assert [(s.worlds, s.step, s.forwards_done) for s in d.sessions] == [(2, 2, 3)] * 2
     assert d.failures == []
 
 

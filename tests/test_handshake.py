@@ -321,3 +321,51 @@ def test_connect_timeout_s_bounds_the_wait_for_a_peer_that_never_comes(role):
     took = time.monotonic() - start
     assert "AFDTimeoutError" in out[role] and "connect_timeout_s" in out[role], out
     assert 1.5 <= took < 10, took
+
+
+def _form_2a1f(steps_done: tuple) -> dict:
+    """A 2A1F world formed in threads, the attention ranks telling ``steps_done``:
+    ``{(role, rank): catch_up_steps or the error}``."""
+    import threading
+
+    from afd_common import world
+    from afd_common.topology import Topology
+
+    spec, out = Spec(2, 1, timeout_s=20, port=free_port()), {}
+    topo = Topology(2, 1)
+    formed = threading.Barrier(3, timeout=30)  # the FFN rank 0's store outlives every handshake
+
+    def run(role, rank, done):
+        try:
+            w = world.AFDWorld(spec.config(role), rank, topo.world_size, topo.global_rank,
+                               {"f": 1}, spec.timeout_s, steps_done=done)
+            out[role, rank] = w.catch_up_steps
+            formed.wait()
+            w.close()
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[role, rank] = f"{type(e).__name__}: {e}"
+    threads = [threading.Thread(target=run, args=args, daemon=True)
+               for args in [("ffn", 0, None), ("attention", 0, steps_done[0]),
+                            ("attention", 1, steps_done[1])]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_lock_step_attention_ranks_learn_who_must_catch_up_a_step():
+    """After a loss between two attention ranks' last results of a step, the one that finished
+    it runs one empty step first (afd_attention.session): the handshake says which."""
+    assert _form_2a1f((8, 7)) == {("ffn", 0): 0, ("attention", 0): 1, ("attention", 1): 0}
+    assert _form_2a1f((5, 5)) == {("ffn", 0): 0, ("attention", 0): 0, ("attention", 1): 0}
+
+
+@pytest.mark.parametrize("steps_done,says", [
+    ((7, 9), "more than one forward apart: attention rank 1 (global 1) finished 9"),
+    ((7, -1), "attention rank 1 (global 1) sent steps_done -1"),
+])
+def test_a_count_of_finished_forwards_is_checked_not_trusted(steps_done, says):
+    out = _form_2a1f(steps_done)
+    assert "AFDHandshakeError" in out["attention", 0] and says in out["attention", 0], out
+    assert "AFDHandshakeError" in out["ffn", 0], out  # told by the refusal left in the store

@@ -134,10 +134,8 @@ CASES = [
     # The CAM connectors move the rows through the afd_ascend ops (portable kernels over Gloo),
     # both under in-order matching, as on HCCL: CAMP2p sharded (M2N through a2e/e2a), CAMAsync
     # with async DP and the FFN role's receive loop as the clock.
-    # No ride-through with lock-step DP attention ranks yet (README, "When something goes
-    # wrong"): a loss between two ranks' last results of a step hangs them until vLLM's timeout.
     Case("qwen3_moe", True, A=2, F=2, connector="CAMP2pAFDConnector", m=2, sharded=True,
-         inorder=True),
+         inorder=True, ride_through="SIGTERM"),
     Case("deepseek_v2", True, A=2, F=2, connector="CAMAsyncAFDConnector", sharded=True,
          inorder=True, ride_through="SIGKILL"),
     # Every other architecture of afd_common.models, 1A1F over P2P, with the gate where the

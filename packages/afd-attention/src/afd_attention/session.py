@@ -17,6 +17,12 @@ interrupted forward runs again from its start (``run_forward``). A forward is a 
 its inputs and of the KV cache it writes to fixed slots, so the re-run gives the tokens the
 uninterrupted one would have. Meanwhile ``/health`` answers 503 (afd_common.role_status).
 
+Lock-step DP attention ranks (several, without ``async_dp``) may be lost a forward apart: one got
+its step's last result, another did not and runs the step again; the first waits for it in vLLM's
+DP agreement on the next step, while the FFN side's first step of the new world waits for both.
+So each rank tells the others in the handshake how many forwards it finished, and a rank ahead
+runs an empty step first (``_catch_up``): the FFN side pairs it with the other's re-run.
+
 Without a ride-through (or past its bound) the role ends as before: a running step fails by
 itself (its receive raises), so only an idle worker must be ended from outside
 (afd_common.lifecycle).
@@ -92,6 +98,10 @@ class AttentionSession:
         self.last_layer = connector.shape.moe_layers[-1]
         self.metrics = metrics.recorder("attention", config.connector)
         self.step = 0  # in this FFN world: every world's first step is its step 0
+        self.forwards_done = 0  # since serving began, in every world: not reset by a loss
+        # Ranks that step in lock tell each other their forwards_done in the handshake.
+        self._lock_step = (config.num_attention_ranks > 1
+                           and not type(connector).supports_async_dp)
         self.worlds = 0  # FFN worlds connected so far
         self._layer_of: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -214,10 +224,14 @@ class AttentionSession:
                 if left <= 0:
                     break
                 connector = self._new_connector(c.with_extra(connect_timeout_s=left))
+                if self._lock_step:  # no step runs now: the count is settled
+                    connector.steps_done = self.forwards_done
                 with self._lock:
                     self.connector = connector  # what close() closes
+                    self.step = 0
                 try:
                     connector.init()
+                    self._catch_up(connector)
                 except AFDHandshakeError:
                     raise  # another model or token: waiting longer would not help
                 except AFDError as e:
@@ -227,7 +241,6 @@ class AttentionSession:
                     continue
                 with self._lock:
                     self._down_since = None
-                    self.step = 0
                 role_status.clear("attention", self.rank)
                 logger.info("AFD attention rank %d: an FFN role is back after %.1f s", self.rank,
                             time.monotonic() - deadline + budget)
@@ -245,6 +258,30 @@ class AttentionSession:
                                  self.rank)
             self._end(f"{reason}; no FFN role came back within reconnect_timeout_s "
                       f"({budget:g} s): {e}")
+
+    def _catch_up(self, connector: AttentionConnector) -> None:
+        """The empty steps the handshake asked for (``catch_up_steps``): each one's every layer
+        and stage, without rows, so that this rank's next forward is the other ranks' next step
+        too."""
+        n = connector.catch_up_steps if self._lock_step else 0
+        if not n:
+            return
+        logger.info("AFD attention rank %d: %d empty step%s first: another attention rank runs "
+                    "again a forward this rank finished before the loss", self.rank, n,
+                    "" if n == 1 else "s")
+        shape, device = connector.shape, connector.device
+        hidden = torch.empty(0, shape.hidden_size, dtype=shape.dtype, device=device)
+        routing = ((torch.empty(0, shape.top_k, dtype=torch.int32, device=device),
+                    torch.empty(0, shape.top_k, dtype=torch.float32, device=device))
+                   if self.gate_on_attention else (None, None))
+        for _ in range(n):
+            connector.begin_step(StepMetadata(self.step, StepKind.RUN, (0,) * self.num_stages))
+            for layer in shape.moe_layers:
+                for stage in range(self.num_stages):
+                    connector.recv_ffn_output(connector.send_attn_output(
+                        hidden, LayerCall(layer, stage), *routing))
+            connector.end_step()
+            self.step += 1
 
     def startup_done(self) -> None:
         """vLLM finished its start-up forwards; from now on every forward is a step. A connection
@@ -332,6 +369,7 @@ class AttentionSession:
             if layer == self.last_layer and stage == self._last_busy:
                 conn.end_step()
                 self.step += 1
+                self.forwards_done += 1
                 self._since = [None] * self.num_stages
                 self._off_wire(in_step=False)
         except StepInterrupted:

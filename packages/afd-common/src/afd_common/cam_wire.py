@@ -41,7 +41,7 @@ from afd_common.errors import AFDConfigError, AFDPeerError, AFDTimeoutError
 from afd_common.sync_connector import SyncLinks
 from afd_common.transport import (PeerIO, default_backend, first_line, is_timeout,
                                   register_named_group, unregister_group)
-from afd_common.world import AFDWorld
+from afd_common.world import open_world
 
 CAM_P2P_PROTOCOL = "camp2p/1"
 CAM_ASYNC_PROTOCOL = "camasync/1"
@@ -111,8 +111,7 @@ def open_cam_p2p_world(connector) -> tuple[SyncLinks, list[str]]:
     cfg, topo = connector.config, connector.topology
     global_rank = cam_p2p_global_rank(topo.num_ffn_ranks)
     backend = cfg.extra.backend or default_backend(connector.device)
-    world = AFDWorld(cfg, connector.local_rank, topo.world_size, global_rank,
-                     connector.fingerprint(), connector.timeouts.first_step_s, connector.closing)
+    world = open_world(connector, global_rank)
     links = SyncLinks(world, None)  # type: ignore[arg-type] - control set below
     try:
         ctrl_io = PeerIO(world.group("control", "gloo"), world.describe)
@@ -182,11 +181,9 @@ class OpsLinks:
     same backend for watching peers."""
 
     def __init__(self, connector):
-        cfg, topo = connector.config, connector.topology
+        cfg = connector.config
         backend = cfg.extra.backend or default_backend(connector.device)
-        self.world = AFDWorld(cfg, connector.local_rank, topo.world_size, topo.global_rank,
-                              connector.fingerprint(), connector.timeouts.first_step_s,
-                              connector.closing)
+        self.world = open_world(connector)
         self.name = f"afd-camasync-{cfg.port}-{cfg.role}{connector.local_rank}"
         try:
             group = self.world.group("data", backend)

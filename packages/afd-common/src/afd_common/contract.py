@@ -197,6 +197,13 @@ class AFDConnector(abc.ABC):
 class AttentionConnector(AFDConnector):
     role: ClassVar[str] = "attention"
 
+    #: Set before ``init`` by a lock-step attention rank's session: the forwards it finished so
+    #: far, told to the other attention ranks in the handshake (None: nothing to line up).
+    steps_done: int | None = None
+    #: Set by ``init``: empty steps to run first, so that the FFN side pairs another rank's
+    #: re-run of a forward this rank finished with one of them (afd_common.world).
+    catch_up_steps: int = 0
+
     def begin_step(self, meta: StepMetadata) -> None:
         """Announce a step (including profile, dummy and warm-up steps) to the FFN side."""
         if self.control_plane is not None:

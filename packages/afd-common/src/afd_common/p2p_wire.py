@@ -35,7 +35,7 @@ from afd_common.control_plane import GlooControlPlane, link_peers
 from afd_common.metadata import MAX_STAGES
 from afd_common.sync_connector import SyncLinks
 from afd_common.transport import PeerIO, default_backend
-from afd_common.world import AFDWorld
+from afd_common.world import open_world
 
 
 PROTOCOL = "p2p/1"
@@ -91,8 +91,7 @@ def open_p2p_world(connector, backend: str | None = None) -> SyncLinks:
     "loopback" for the loopback connector (afd_common.loopback), else the configured one."""
     cfg, topo = connector.config, connector.topology
     backend = backend or cfg.extra.backend or default_backend(connector.device)
-    world = AFDWorld(cfg, connector.local_rank, topo.world_size, topo.global_rank,
-                     connector.fingerprint(), connector.timeouts.first_step_s, connector.closing)
+    world = open_world(connector)
     try:
         in_order = inorder.enabled()
         data_group = world.group("data", backend)

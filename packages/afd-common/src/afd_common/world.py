@@ -9,6 +9,11 @@ the store, so a rank that sees nothing wrong itself still stops with the reason,
 keeps the store up (briefly) until the peers that said hello have seen it: a rank slower to compare
 must not find the store gone and stop without knowing why.
 
+Attention ranks that step in lock (vLLM's DP ranks without ``async_dp``) also tell each other how
+many forwards each has finished (``steps_done``): after a lost FFN role, one of them may have got
+its step's last result and another not, and the FFN side's first step of the new world must pair
+the second's re-run with an empty step of the first (``catch_up_steps``, afd_attention.session).
+
 With an ``auth_token`` every hello carries an HMAC over the master's fresh session nonce and the
 hello itself: a peer proves it holds the token without sending it, and a peer without it (or with
 another) is refused before it can join any process group. The groups' own rendezvous entries (each
@@ -65,9 +70,11 @@ class AFDWorld:
 
     def __init__(self, config: AFDConfig, local_rank: int, world_size: int,
                  global_rank_of: Callable[[str, int], int], fingerprint: dict[str, Any],
-                 timeout_s: float, cancel: threading.Event | None = None):
+                 timeout_s: float, cancel: threading.Event | None = None,
+                 steps_done: int | None = None):
         """``cancel`` set from another thread (the connector's ``close``) ends a wait for the
-        peers at once, with AFDPeerError."""
+        peers at once, with AFDPeerError. ``steps_done``: a lock-step attention rank's finished
+        forwards (None: nothing to line up)."""
         self.config = config
         self.world_size = world_size
         self._global_rank_of = global_rank_of
@@ -75,6 +82,9 @@ class AFDWorld:
         self.timeout_s = timeout_s
         self.connect_timeout_s = config.extra.connect_timeout_s
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.steps_done = steps_done
+        #: Empty steps this attention rank runs first in this world (see the module docstring).
+        self.catch_up_steps = 0
         self._group_store: SignedStore | None = None
         self._roles = {global_rank_of("attention", a): ("attention", a)
                        for a in range(config.num_attention_ranks)}
@@ -123,7 +133,8 @@ class AFDWorld:
                                   f"{self.what}: rendezvous")
         session = bytes(store.get("afd/nonce"))
         hello = {"afd_version": __version__, "wire_version": WIRE_VERSION,
-                 "role": self.config.role, "rank": self.rank, "fingerprint": fingerprint}
+                 "role": self.config.role, "rank": self.rank, "fingerprint": fingerprint,
+                 "steps_done": self.steps_done}
         token = self.config.extra.auth_token
         signed = dict(hello, mac=sign(token, session, hello) if token else None)
         if token:  # the groups' rendezvous entries, signed under a key only token holders have
@@ -134,6 +145,7 @@ class AFDWorld:
         # Check each peer as soon as it says hello: one mismatched peer is refused at once, not
         # after waiting for ranks that a mismatched world size means will never come.
         unchecked = list(others)
+        steps_done: dict[int, Any] = {}
         next_log = CONNECT_PROGRESS_EVERY_S
         limit = self.connect_timeout_s
         try:
@@ -147,6 +159,8 @@ class AFDWorld:
                                                 f"malformed hello: {e}") from None
                     self._authenticate(r, token, session, peer)
                     self._compare(r, hello, peer)
+                    if self._roles[r][0] == "attention":
+                        steps_done[r] = peer.get("steps_done")
                     unchecked.remove(r)
                 # After this rank's own checks, which explain a mismatch from its side: a peer's
                 # refusal only stops it when it sees nothing wrong itself (or not yet).
@@ -166,11 +180,30 @@ class AFDWorld:
                                     ", ".join(map(self.describe, unchecked)), waited)
                         next_log += CONNECT_PROGRESS_EVERY_S
                     time.sleep(0.05)
+            if self.steps_done is not None:
+                self.catch_up_steps = self._line_up(steps_done)
         except AFDHandshakeError as e:
             self._leave_refusal(str(e))
             raise
         logger.info("%s: handshake with %d peers ok (%.1f s)", self.what, len(others),
                     time.monotonic() - start)
+
+    def _line_up(self, theirs: dict[int, Any]) -> int:
+        """How many forwards this rank finished beyond the attention rank furthest behind. A
+        peer's count is checked, never trusted: lock-step ranks are at most one forward apart."""
+        counts = {self.rank: self.steps_done}
+        for r, n in theirs.items():
+            if type(n) is not int or n < 0:
+                raise AFDHandshakeError(f"{self.what}: {self.describe(r)} sent steps_done {n!r}: "
+                                        "expected the count of its finished forwards (>= 0)")
+            counts[r] = n
+        behind, ahead = min(counts, key=counts.get), max(counts, key=counts.get)
+        if counts[ahead] - counts[behind] > 1:
+            raise AFDHandshakeError(
+                f"{self.what}: attention ranks more than one forward apart: "
+                f"{self.describe(ahead)} finished {counts[ahead]}, {self.describe(behind)} "
+                f"{counts[behind]} (steps_done); lock-step DP ranks never are")
+        return self.steps_done - counts[behind]
 
     def _leave_refusal(self, message: str) -> None:
         """Tell the peers why the handshake stopped before this rank's store connection goes.
@@ -260,3 +293,17 @@ class AFDWorld:
         rv = getattr(self, "rendezvous", None)
         if rv is not None:
             rv.close()
+
+
+def open_world(connector, global_rank_of: Callable[[str, int], int] | None = None) -> AFDWorld:
+    """The world of either half of ``connector`` (``global_rank_of`` defaults to its topology's
+    layout). An attention half's ``steps_done`` goes out in its hello, and the steps it must
+    catch up come back on it (``catch_up_steps``), before any group forms."""
+    cfg, topo = connector.config, connector.topology
+    world = AFDWorld(cfg, connector.local_rank, topo.world_size,
+                     global_rank_of or topo.global_rank, connector.fingerprint(),
+                     connector.timeouts.first_step_s, connector.closing,
+                     steps_done=getattr(connector, "steps_done", None))
+    if connector.role == "attention":
+        connector.catch_up_steps = world.catch_up_steps
+    return world
