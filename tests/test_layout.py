@@ -92,3 +92,19 @@ def test_no_import_cycles_among_afd_modules():
             seen.add(mod)
             visit(mod, [mod], seen)
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_connector_half_is_more_than_four_afd_classes_deep():
+    """A newcomer reads a half and at most three afd classes to know all it does: the world,
+    the control plane and the I/O are values a half holds, not more base classes."""
+    from afd_common.registry import installed_connectors
+
+    deep = {}
+    for name, halves in installed_connectors().items():
+        for role, entry in halves.items():
+            cls = entry.entry_point.load()
+            chain = [c.__qualname__ for c in cls.__mro__
+                     if c.__module__.split(".")[0] in ("afd_common", "afd_attention", "afd_ffn")]
+            if len(chain) > 4:
+                deep[f"{role}:{name}"] = " -> ".join(chain)
+    assert not deep, deep

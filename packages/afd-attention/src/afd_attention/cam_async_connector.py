@@ -13,39 +13,32 @@ from __future__ import annotations
 import torch
 
 from afd_common import metrics
-from afd_common.attention_half import AttentionHalf
 from afd_common.cam_wire import ATTENTION_TP, CAMAsyncHalf, op_error, release_sends
-from afd_common.sync_connector import WATCH_TAG
+from afd_common.contract import AttentionConnector
 
 STOP_LAYER = -1
 
 
-class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionHalf):
+class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._rec = metrics.recorder("attention", self.config.connector)
         # Owner rank of each expert, as the ops address it (check_cam_async): e // R.
         self._owner = torch.arange(self.shape.num_experts, device=self.device) // self._R
 
-    def watch_peers(self, on_lost) -> None:
-        links = self._require_links()
-        links.io.watch([self.topology.ffn_global_rank(f) for f in range(
-            self.config.num_ffn_ranks)], WATCH_TAG, lambda peer, reason: on_lost(reason))
-
     def begin_step(self, meta) -> None:
         super().begin_step(meta)
         # The last step's results all came back, each sent after its rows were received.
-        release_sends(self._require_links().name)
+        release_sends(self._net.name)
 
-    def _dispatch(self, x, ids, stage: int, layer: int) -> None:
+    def _dispatch(self, x, ids, stage: int, layer: int, net=None) -> None:
         torch.ops.afd_ascend.afd_async_dispatch_send(
             x, ids, self._comm_args, comm_id=stage,
             max_seq_len=max(self.shape.max_num_tokens, x.shape[0]), batch_size=x.shape[0],
             layer_index=layer, tp_size=ATTENTION_TP, dynamic_quant=self._quant,
-            attn_rank_id=self.local_rank, **self._op_args())
+            attn_rank_id=self.local_rank, **self._op_args(net))
 
     def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None):
-        self._require_links()
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
         ids = topk_ids.to(torch.int32)
         try:
@@ -58,7 +51,6 @@ class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionHalf):
         return self._pending(call, (rows, ids, topk_weights.to(torch.float32)))
 
     def recv_ffn_output(self, pending) -> torch.Tensor:
-        self._require_links()
         rows, ids, weights = self._take(pending)
         call = pending.call
         like = torch.empty(0, self.shape.hidden_size, dtype=self.shape.dtype, device=self.device)
@@ -70,23 +62,11 @@ class CAMAsyncAttentionConnector(CAMAsyncHalf, AttentionHalf):
             raise op_error(e, f"the expert outputs of layer {call.layer_idx} stage "
                               f"{call.stage}", "the FFN ranks") from None
 
-    def _release(self) -> None:
-        links = self._links
-        if links is None:
-            return
-        links.io.closing = True
-        try:
-            if not self._inflight:
-                # A stop header per stream ends the FFN side's receive loop cleanly; the op
-                # waits (bounded) until the FFN ranks took it.
-                empty = torch.empty(0, self.shape.hidden_size, dtype=self.shape.dtype,
-                                    device=self.device)
-                none = torch.empty(0, self.shape.top_k, dtype=torch.int32, device=self.device)
-                for stage in range(self.config.extra.num_micro_batches):
-                    self._dispatch(empty, none, stage, STOP_LAYER)
-        except Exception:  # noqa: BLE001 - the peer may already be gone; closing must not fail
-            pass
-        finally:
-            self._links = None
-            self._inflight.clear()
-            links.close()
+    def _goodbye(self, net) -> None:
+        """A stop header per stream ends the FFN side's receive loop cleanly; the op waits
+        (bounded) until the FFN ranks took it."""
+        net.io.closing = True
+        empty = torch.empty(0, self.shape.hidden_size, dtype=self.shape.dtype, device=self.device)
+        none = torch.empty(0, self.shape.top_k, dtype=torch.int32, device=self.device)
+        for stage in range(self.config.extra.num_micro_batches):
+            self._dispatch(empty, none, stage, STOP_LAYER, net)

@@ -14,10 +14,10 @@ import torch
 
 from afd_common import metrics
 from afd_common.cam_wire import CAMP2pHalf, op_error
-from afd_common.sync_connector import SyncAttentionConnector
+from afd_common.contract import AttentionConnector
 
 
-class CAMP2pAttentionConnector(CAMP2pHalf, SyncAttentionConnector):
+class CAMP2pAttentionConnector(CAMP2pHalf, AttentionConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._ffn_rank = self.local_rank % self.config.num_ffn_ranks
@@ -29,7 +29,6 @@ class CAMP2pAttentionConnector(CAMP2pHalf, SyncAttentionConnector):
         self._release_sends()
 
     def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None):
-        self._require_net()
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
         gate = topk_ids is not None
         try:

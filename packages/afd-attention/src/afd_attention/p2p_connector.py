@@ -15,22 +15,23 @@ import torch
 
 from afd_common import metrics
 from afd_common.p2p_wire import PROTOCOL, count_tag, data_tag, open_p2p_world, pack
-from afd_common.sync_connector import SyncAttentionConnector
+from afd_common.contract import AttentionConnector
 
 
-class P2pAttentionConnector(SyncAttentionConnector):
+class P2pAttentionConnector(AttentionConnector):
     protocol = PROTOCOL
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._links = self.topology.links_of_attention(self.local_rank)
         self._rec = metrics.recorder("attention", self.config.connector)
 
     def _open(self):
         return open_p2p_world(self)
 
     def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None):
-        net = self._require_net()
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
+        net = self._net
         if self.topology.sharded:
             return self._pending(call, self._send_sharded(net, call, rows, hidden_states,
                                                           topk_ids, topk_weights))

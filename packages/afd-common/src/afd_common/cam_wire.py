@@ -35,10 +35,9 @@ from typing import ClassVar
 import torch
 
 from afd_common import inorder
-from afd_common.contract import ControlPlane
 from afd_common.control_plane import GlooControlPlane, link_peers
 from afd_common.errors import AFDConfigError, AFDPeerError, AFDTimeoutError
-from afd_common.sync_connector import SyncLinks
+from afd_common.sync_links import WATCH_TAG, SyncLinks
 from afd_common.transport import (PeerIO, default_backend, first_line, is_timeout,
                                   register_named_group, unregister_group)
 from afd_common.world import open_world
@@ -178,12 +177,17 @@ def check_cam_async(config, shape) -> int:
 
 class OpsLinks:
     """One registered data group for the ``afd_ascend`` ops (CAMAsync), plus Gloo I/O on the
-    same backend for watching peers."""
+    same backend for watching peers (afd_common.contract.Net)."""
+
+    control = None  # the ops' headers carry the routing metadata
 
     def __init__(self, connector):
         cfg = connector.config
         backend = cfg.extra.backend or default_backend(connector.device)
         self.world = open_world(connector)
+        # An attention rank watches every FFN rank (its rows may go to any); an FFN rank no one.
+        self._peers = ([connector.topology.ffn_global_rank(f) for f in range(cfg.num_ffn_ranks)]
+                       if connector.role == "attention" else [])
         self.name = f"afd-camasync-{cfg.port}-{cfg.role}{connector.local_rank}"
         try:
             group = self.world.group("data", backend)
@@ -195,7 +199,14 @@ class OpsLinks:
             self.close()
             raise
 
-    def close(self) -> None:
+    def watch(self, on_lost) -> None:
+        self.io.watch(self._peers, WATCH_TAG, lambda peer, reason: on_lost(reason))
+
+    def close(self, settle_s: float = 0.0) -> None:
+        """``settle_s`` unused: the ops settle their own sends (``release_sends``)."""
+        io = getattr(self, "io", None)
+        if io is not None:
+            io.closing = True
         unregister_group(self.name)
         self._pg = None
         self.world.close()
@@ -252,28 +263,18 @@ class CAMAsyncHalf:
         c = self.config
         self._R = check_cam_async(c, self.shape)
         self._quant = int(bool(c.extra.other.get("dynamic_quant", False)))
-        self._links: OpsLinks | None = None
         self._comm_args = torch.empty(0, dtype=torch.uint8, device=self.device)
 
-    @property
-    def control_plane(self) -> ControlPlane | None:
-        return None
+    def _open(self) -> OpsLinks:
+        require_ops("async", self.device, "CAMAsyncAFDConnector", self.role)
+        inorder.enabled()  # the ops read AFD_TEST_INORDER themselves; this logs it
+        return OpsLinks(self)
 
-    def init(self) -> None:
-        if self._links is None:
-            require_ops("async", self.device, "CAMAsyncAFDConnector", self.role)
-            inorder.enabled()  # the ops read AFD_TEST_INORDER themselves; this logs it
-            self._links = OpsLinks(self)
-
-    def _op_args(self) -> dict:
-        """The arguments every afd_async_* call of this half passes."""
+    def _op_args(self, net: OpsLinks | None = None) -> dict:
+        """The arguments every afd_async_* call of this half passes (``net``: the world being
+        closed, else this half's)."""
         c, s = self.config, self.shape
         return dict(hidden_size=s.hidden_size, top_k=s.top_k, moe_rank_num=c.num_ffn_ranks,
                     attn_rank_num=c.num_attention_ranks, route_expert_num_per_moe=self._R,
                     world_size=c.num_attention_ranks + c.num_ffn_ranks,
-                    group_name=self._require_links().name)
-
-    def _require_links(self) -> OpsLinks:
-        if self._links is None:
-            raise RuntimeError(f"{type(self).__name__} used before init() or after close()")
-        return self._links
+                    group_name=(net or self._require_net()).name)

@@ -32,10 +32,14 @@ FFN half: one of two protocols, and the FFN runner is chosen by which (``afd_ffn
           send_ffn_output(experts(item), item)
           end_step()
 
-Lifecycle: ``init()`` rendezvouses, runs the handshake (``fingerprint()`` of both sides must
-agree) and forms the process groups; ``close()`` releases them and is idempotent. Every blocking
-wait is bounded by ``timeouts``; a lost peer raises ``AFDPeerError`` naming the rank and what was
-awaited.
+Lifecycle, both halves: ``init()`` rendezvouses, runs the handshake (``fingerprint()`` of both
+sides must agree) and forms the process groups -- the half's ``Net``, which its ``_open`` returns
+and ``close()`` releases (idempotent). Every blocking wait is bounded by ``timeouts``; a lost peer
+raises ``AFDPeerError`` naming the rank and what was awaited.
+
+A half is its connector's class over one of these three (``AttentionConnector``,
+``ScheduledFFNConnector``, ``StreamingFFNConnector``), plus at most a mixin its two halves share:
+the world, the control plane and the I/O are values it holds, not base classes.
 """
 
 from __future__ import annotations
@@ -45,12 +49,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from afd_common.config import AFDConfig
-from afd_common.metadata import LayerCall, ModelShape, StepMetadata, WorkItem
+from afd_common.errors import AFDProtocolError
+from afd_common.metadata import (LayerCall, ModelShape, StepKind, StepMetadata, WorkItem,
+                                 WorkItemMeta)
 from afd_common.topology import Topology
 
 
@@ -112,6 +118,22 @@ class ControlPlane(abc.ABC):
         waits as long as the peers are connected (an idle role may wait for days)."""
 
 
+class Net(Protocol):
+    """What a half's ``_open`` returns and ``close`` releases: its world, groups and control
+    plane (afd_common.sync_links, afd_common.cam_wire). A half holds it in values, never in a
+    module global, so a session may drop one world and open the next."""
+
+    #: The step metadata's carrier; None where the data path carries it (streaming).
+    control: ControlPlane | None
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """Call ``on_lost(reason)`` from another thread once a peer's connection drops."""
+
+    def close(self, settle_s: float = 0.0) -> None:
+        """Release everything, after waiting up to ``settle_s`` (best effort) until the peers
+        took what this half sent. No loss is reported once closing began."""
+
+
 class AFDConnector(abc.ABC):
     """Lifecycle and identity shared by both halves."""
 
@@ -138,6 +160,7 @@ class AFDConnector(abc.ABC):
         self.topology = Topology(config.num_attention_ranks, config.num_ffn_ranks,
                                  sharded=shape.placement.sharded)
         self.timeouts = Timeouts.from_config(config)
+        self._net: Net | None = None
         #: Set by ``close``: a wait for the peers in ``init`` (another thread) ends at once.
         self.closing = threading.Event()
         size = (config.num_attention_ranks if self.role == "attention"
@@ -147,9 +170,9 @@ class AFDConnector(abc.ABC):
                              f"(num_{self.role}_ranks = {size})")
 
     @property
-    @abc.abstractmethod
     def control_plane(self) -> ControlPlane | None:
-        """None for connectors that carry metadata in the data path."""
+        """None for connectors that carry metadata in the data path (and before ``init``)."""
+        return None if self._net is None else self._net.control
 
     def fingerprint(self) -> dict[str, Any]:
         """What both roles must agree on before any tensor moves. Compared field by field."""
@@ -172,19 +195,33 @@ class AFDConnector(abc.ABC):
             **s.placement.fingerprint(),
         }
 
-    @abc.abstractmethod
     def init(self) -> None:
-        """Rendezvous, handshake, form process groups. Bounded by the first-step timeout."""
+        """Rendezvous, handshake, form process groups (``_open``). Waiting for the peers is
+        bounded by ``connect_timeout_s`` only; forming the groups by the first-step timeout."""
+        if self._net is None:
+            self._net = self._open()
+
+    @abc.abstractmethod
+    def _open(self) -> Net:
+        """This half's world: rendezvous, handshake and groups."""
+
+    def _require_net(self) -> Net:
+        if self._net is None:
+            raise RuntimeError(f"{type(self).__name__} used before init() or after close()")
+        return self._net
 
     def close(self) -> None:
         """Release groups and sockets; an ``init`` waiting for the peers in another thread
         raises AFDPeerError at once. Idempotent; safe after a failed ``init``."""
         self.closing.set()
-        self._release()
+        net, self._net = self._net, None
+        if net is not None:
+            self._release(net)
 
-    @abc.abstractmethod
-    def _release(self) -> None:
-        """What ``close`` releases (the groups, after a goodbye to the peers if one is due)."""
+    def _release(self, net: Net) -> None:
+        """What ``close`` does with the world it took from this half (a goodbye first, where
+        the peers expect one). Never raises: the peer may be gone already."""
+        net.close()
 
     def __enter__(self):
         self.init()
@@ -195,6 +232,10 @@ class AFDConnector(abc.ABC):
 
 
 class AttentionConnector(AFDConnector):
+    """Besides the primitives, the bookkeeping every attention half needs whatever moves its
+    rows: the current step, the calls in flight, and the checks that refuse bad input before
+    anything is sent (``_check_send``, ``_pending``, ``_take``)."""
+
     role: ClassVar[str] = "attention"
 
     #: Set before ``init`` by a lock-step attention rank's session: the forwards it finished so
@@ -204,8 +245,20 @@ class AttentionConnector(AFDConnector):
     #: re-run of a forward this rank finished with one of them (afd_common.world).
     catch_up_steps: int = 0
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._step: StepMetadata | None = None
+        self._inflight: set[LayerCall] = set()  # sent, result not yet received
+
+    # -- the primitives ----------------------------------------------------------------------
+
     def begin_step(self, meta: StepMetadata) -> None:
         """Announce a step (including profile, dummy and warm-up steps) to the FFN side."""
+        self._require_net()
+        if self._inflight:
+            raise RuntimeError(f"step {meta.step} begins with results of the previous step "
+                               f"still unreceived: {sorted(self._inflight)}")
+        self._step = meta
         if self.control_plane is not None:
             self.control_plane.send_step(meta)
 
@@ -228,46 +281,195 @@ class AttentionConnector(AFDConnector):
 
     def watch_peers(self, on_lost: Callable[[str], None]) -> None:
         """Call ``on_lost(reason)`` (from another thread) as soon as an FFN peer is gone, also
-        while no step is running. Connectors that cannot tell leave this a no-op."""
+        while no step is running."""
+        self._require_net().watch(on_lost)
+
+    # -- for the halves ----------------------------------------------------------------------
+
+    def _pending(self, call: LayerCall, state) -> PendingResult:
+        self._inflight.add(call)
+        return PendingResult(call, state)
+
+    def _take(self, pending: PendingResult):
+        """The state of a call in flight, once: a handle received twice, or from before a
+        close, is refused."""
+        self._require_net()
+        if pending.call not in self._inflight:
+            raise RuntimeError(f"recv_ffn_output({pending.call}): not in flight (received "
+                               f"already?); in flight: {sorted(self._inflight)}")
+        self._inflight.discard(pending.call)
+        return pending.state
+
+    def _check_send(self, hidden, call, topk_ids, topk_weights) -> int:
+        """Rows of ``hidden`` after checking it against the model shape and the step; every
+        check runs before anything is sent."""
+        self._require_net()
+        shape, step = self.shape, self._step
+        if step is None:
+            raise RuntimeError("send_attn_output before begin_step")
+        shape.check_layer(call.layer_idx)
+        if not 0 <= call.stage < step.num_stages:
+            raise ValueError(f"stage {call.stage} out of range: step {step.step} has "
+                             f"{step.num_stages} stages")
+        if call in self._inflight:
+            raise RuntimeError(f"{call} sent twice without receiving its result")
+        if hidden.dim() != 2 or hidden.shape[1] != shape.hidden_size:
+            raise ValueError(f"hidden states of shape {tuple(hidden.shape)}: expected "
+                             f"[tokens, {shape.hidden_size}] (hidden_size)")
+        if hidden.dtype != shape.dtype:
+            raise ValueError(f"hidden states of dtype {hidden.dtype}: this AFD world moves "
+                             f"{shape.dtype}")
+        rows = hidden.shape[0]
+        if rows != step.stage_tokens[call.stage]:
+            raise ValueError(f"layer {call.layer_idx} stage {call.stage}: {rows} rows, but step "
+                             f"{step.step} announced {step.stage_tokens[call.stage]}")
+        gate = self.config.compute_gate_on_attention
+        if gate != (topk_ids is not None) or (topk_ids is None) != (topk_weights is None):
+            raise ValueError("topk_ids/topk_weights must be given exactly when "
+                             f"compute_gate_on_attention is true (it is {gate})")
+        if topk_ids is not None:
+            want = (rows, shape.top_k)
+            if tuple(topk_ids.shape) != want or tuple(topk_weights.shape) != want:
+                raise ValueError(f"routing of shapes {tuple(topk_ids.shape)} / "
+                                 f"{tuple(topk_weights.shape)}: expected {want} (tokens, top_k)")
+        return rows
+
+    def _release(self, net: Net) -> None:
+        try:
+            if not self._inflight:  # the FFN side's loop then ends cleanly, not by a timeout
+                self._goodbye(net)
+        except Exception:  # noqa: BLE001 - the peer may already be gone; closing must not fail
+            pass
+        finally:
+            self._inflight.clear()
+            net.close()
+
+    def _goodbye(self, net: Net) -> None:
+        """Tell the FFN side this rank stops: a STOP step on the control plane."""
+        step = self._step.step + 1 if self._step else 0
+        net.goodbye(StepMetadata(step, StepKind.STOP, (0,) * self.config.extra.num_micro_batches),
+                    min(5.0, self.timeouts.step_s))
 
 
-class FFNConnector(AFDConnector):
-    """What both FFN protocols share: the result goes back, and a served unit ends."""
+class ScheduledFFNConnector(AFDConnector):
+    """The step's token counts first (the control plane), then every layer and stage in order,
+    each receive posted with its exact size. Besides the primitives, the step's bookkeeping that
+    sizes those receives, checked against this role's own limits (``_stage_sources``,
+    ``work_item``, ``_check_output``)."""
 
     role: ClassVar[str] = "ffn"
 
-    @abc.abstractmethod
-    def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
-        """Return ``item``'s result rows to their sources. Never blocks on the peer."""
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._links = self.topology.links_of_ffn(self.local_rank)
+        self._plan: StepPlan | None = None
+        self._sources: list[tuple[tuple[int, int], ...]] = []
 
-    def end_step(self) -> None:
-        """A step (scheduled) or a work item (streaming) is served: later waits use the step
-        timeout."""
-        self.timeouts.step_done()
+    # -- the primitives ----------------------------------------------------------------------
 
-
-class ScheduledFFNConnector(FFNConnector):
-    """The step's token counts first, then every layer and stage in order, each receive posted
-    with its exact size."""
-
-    @abc.abstractmethod
     def recv_step(self) -> StepPlan:
         """The next step's plan: every served attention rank's ``StepMetadata``. Waits as long
         as the peers are connected (an idle role may wait for days)."""
+        plan = self._require_net().control.recv_step(None)
+        self._on_step(plan)
+        return plan
 
     @abc.abstractmethod
     def recv_layer(self, stage_idx: int, layer_idx: int,
                    max_num_tokens: int | None = None) -> WorkItem:
         """The rows of ``layer_idx`` and ``stage_idx`` the plan announced. Bounded wait."""
 
+    @abc.abstractmethod
+    def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
+        """Return ``item``'s result rows to their sources. Never blocks on the peer."""
 
-class StreamingFFNConnector(FFNConnector):
+    def end_step(self) -> None:
+        """The step is served: later waits use the step timeout."""
+        self.timeouts.step_done()
+
+    # -- for the halves ----------------------------------------------------------------------
+
+    def _on_step(self, plan: StepPlan) -> None:
+        """Remember the plan: it sizes every receive of the step."""
+        # A peer's counts are checked against this role's own limit before anything is sized by
+        # them (both roles run the same --max-num-batched-tokens; the handshake compares it).
+        for a, meta in plan.per_source.items():
+            if sum(meta.stage_tokens) > self.shape.max_num_tokens:
+                raise AFDProtocolError(
+                    f"attention rank {a} announced {sum(meta.stage_tokens)} tokens for step "
+                    f"{meta.step} (stage_tokens {list(meta.stage_tokens)[:8]}), more than "
+                    f"max_num_tokens {self.shape.max_num_tokens}")
+        self._plan = plan
+        # (attention rank, rows) per stage, in batch order: the same for every layer of the step.
+        self._sources = [tuple((link.attention_rank, self.topology.chunk_rows(
+            link, plan.per_source[link.attention_rank].stage_tokens[stage]))
+            for link in self._links) for stage in range(plan.num_stages)]
+
+    def _stage_sources(self, stage_idx: int, max_num_tokens: int | None,
+                       layer_idx: int) -> tuple[tuple[int, int], ...]:
+        """This stage's (attention rank, rows), after checking the runner's call."""
+        self._require_net()
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("recv_layer before recv_step")
+        self.shape.check_layer(layer_idx)
+        if not 0 <= stage_idx < plan.num_stages:
+            raise ValueError(f"stage {stage_idx} out of range: step {plan.step} has "
+                             f"{plan.num_stages} stages")
+        sources = self._sources[stage_idx]
+        total = sum(n for _, n in sources)
+        if max_num_tokens is not None and total > max_num_tokens:
+            raise ValueError(f"step {plan.step} stage {stage_idx} brings {total} rows, more "
+                             f"than max_num_tokens {max_num_tokens}")
+        return sources
+
+    def work_item(self, hidden: torch.Tensor, meta: WorkItemMeta, ids: torch.Tensor | None,
+                  weights: torch.Tensor | None, handle: object | None = None) -> WorkItem:
+        """The received rows as a work item, once the top-k expert ids that came with them (gate
+        on the attention role) are known to name experts of this model: the MoE kernels index
+        the expert weights with them, unchecked. One host sync per item that carries ids."""
+        if ids is not None and ids.numel():
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            if lo < 0 or hi >= self.shape.num_experts:
+                raise AFDProtocolError(
+                    f"attention rank{'s' if len(meta.sources) > 1 else ''} "
+                    f"{', '.join(str(a) for a, _ in meta.sources)}: layer {meta.layer_idx} stage "
+                    f"{meta.stage} routes to expert id {lo if lo < 0 else hi}, outside [0, "
+                    f"{self.shape.num_experts}) (topk_ids)")
+        return WorkItem(hidden, meta, ids, weights, handle=handle)
+
+    def _check_output(self, output: torch.Tensor, rows: int) -> None:
+        self._require_net()
+        want = (rows, self.shape.hidden_size)
+        if tuple(output.shape) != want or output.dtype != self.shape.dtype:
+            raise ValueError(f"FFN output of shape {tuple(output.shape)} {output.dtype}: "
+                             f"expected {want} {self.shape.dtype}")
+
+    def _release(self, net: Net) -> None:
+        net.close(settle_s=min(5.0, self.timeouts.step_s))
+
+
+class StreamingFFNConnector(AFDConnector):
     """No schedule: whatever work item of any layer arrives next."""
+
+    role: ClassVar[str] = "ffn"
 
     @abc.abstractmethod
     def recv_next(self, stage_idx: int = 0, max_num_tokens: int | None = None) -> WorkItem:
         """The next work item; its layer and stage come off the wire (``item.meta``). A stop
         item (``item.meta.is_stop``) says every attention rank stopped. Bounded wait."""
+
+    @abc.abstractmethod
+    def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
+        """Return ``item``'s result rows to its source. Never blocks on the peer."""
+
+    def end_step(self) -> None:
+        """A work item is served: later waits use the step timeout."""
+        self.timeouts.step_done()
+
+
+#: Either FFN protocol: what the FFN runners and the service take.
+FFNConnector = ScheduledFFNConnector | StreamingFFNConnector
 
 
 def deadline(timeout_s: float) -> float:

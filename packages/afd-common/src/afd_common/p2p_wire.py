@@ -33,7 +33,7 @@ import torch
 from afd_common import inorder
 from afd_common.control_plane import GlooControlPlane, link_peers
 from afd_common.metadata import MAX_STAGES
-from afd_common.sync_connector import SyncLinks
+from afd_common.sync_links import SyncLinks
 from afd_common.transport import PeerIO, default_backend
 from afd_common.world import open_world
 

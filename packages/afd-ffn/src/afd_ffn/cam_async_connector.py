@@ -65,7 +65,7 @@ class CAMAsyncFFNConnector(CAMAsyncHalf, StreamingFFNConnector):
             raise AFDProtocolError(f"attention rank {source}: {e}") from None
         # This attention rank sends a layer's rows only after it received every result of its
         # last layer (one micro-batch: check_cam_async), so it has all we sent it before.
-        release_sends(self._links.name, self.topology.global_rank("attention", source))
+        release_sends(self._net.name, self.topology.global_rank("attention", source))
         rows = x[:n]
         if self._quant:
             rows = (rows.to(torch.float32) * scales[:n, None]).to(shape.dtype)
@@ -91,9 +91,3 @@ class CAMAsyncFFNConnector(CAMAsyncHalf, StreamingFFNConnector):
         except RuntimeError as e:
             raise op_error(e, f"returning layer {item.layer_idx}",
                            f"attention rank {item.meta.sources[0][0]}") from None
-
-    def _release(self) -> None:
-        links, self._links = self._links, None
-        if links is not None:
-            links.io.closing = True
-            links.close()

@@ -13,10 +13,10 @@ import torch
 from afd_common.cam_wire import CAMP2pHalf, op_error
 from afd_common.errors import AFDProtocolError
 from afd_common.metadata import WorkItem, WorkItemMeta
-from afd_common.sync_connector import SyncFFNConnector
+from afd_common.contract import ScheduledFFNConnector
 
 
-class CAMP2pFFNConnector(CAMP2pHalf, SyncFFNConnector):
+class CAMP2pFFNConnector(CAMP2pHalf, ScheduledFFNConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         served = [link.attention_rank for link in self._links]
@@ -60,7 +60,6 @@ class CAMP2pFFNConnector(CAMP2pHalf, SyncFFNConnector):
                               handle=counts)
 
     def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
-        self._require_net()
         self._check_output(output, item.num_tokens)
         try:
             torch.ops.afd_ascend.e2a(output, item.handle, batch_size=item.num_tokens,

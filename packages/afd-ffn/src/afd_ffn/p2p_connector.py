@@ -15,10 +15,10 @@ from afd_common.errors import AFDProtocolError
 from afd_common.metadata import WorkItem, WorkItemMeta
 from afd_common.p2p_wire import (PROTOCOL, count_tag, data_tag, empty_message, open_p2p_world,
                                  unpack)
-from afd_common.sync_connector import SyncFFNConnector
+from afd_common.contract import ScheduledFFNConnector
 
 
-class P2pFFNConnector(SyncFFNConnector):
+class P2pFFNConnector(ScheduledFFNConnector):
     protocol = PROTOCOL
 
     def _open(self):
@@ -78,8 +78,8 @@ class P2pFFNConnector(SyncFFNConnector):
         return tuple(out)
 
     def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
-        net = self._require_net()
         self._check_output(output, item.num_tokens)
+        net = self._net
         tag = data_tag(item.meta.layer_idx, item.meta.stage)
         output = output.contiguous()
         start = 0
