@@ -16,9 +16,9 @@ import json
 import tempfile
 from pathlib import Path
 
-from afd_common.launch import BASE_ENV, Server, afd_args, load
-from afd_common.selftest import free_port
-from afd_common.tiny_model import write_tiny_model
+from afd_common.tools.launch import BASE_ENV, Server, afd_args, load
+from afd_common.tools.launch import free_port
+from afd_common.tools.tiny_model import write_tiny_model
 
 CONNECTORS = {
     "CAMP2pAFDConnector": {"compute_gate_on_attention": True},

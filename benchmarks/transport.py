@@ -25,7 +25,7 @@ import torch.distributed as dist
 from afd_common.config import parse_afd_config
 from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
 from afd_common.registry import resolve_connector
-from afd_common.selftest import free_port
+from afd_common.tools.launch import free_port
 
 H = 2048
 TOKENS = (1, 16, 128, 512)

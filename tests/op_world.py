@@ -16,8 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from afd_common.selftest import free_port
-from afd_common.transport import new_group, register_named_group
+from afd_common.tools.launch import free_port
+from afd_common.transport.process_groups import new_group, register_named_group
 
 GROUP = "afd-test-ops"
 
@@ -85,3 +85,23 @@ def run_op_world(fn, world_size: int, *args, timeout_s: float = 10.0, deadline_s
     assert not errors and not missing, "\n".join(errors + [f"rank {r}: no result (hung or died)"
                                                           for r in missing])
     return [results[r][1] for r in range(world_size)]
+
+
+def ffn_rank_dying_at(spec, rank: int, die_at: tuple[int, int]) -> dict:
+    """``afd-selftest``'s FFN rank, which exits hard (status 17) when it reaches the (step,
+    layer) ``die_at``: a role killed mid-step. For ``run_world(..., rank_fns=...)`` through
+    ``functools.partial``."""
+    import os
+
+    from afd_common.registry import resolve_connector
+    from afd_common.tools.selftest import ffn_rank
+
+    cls = resolve_connector(spec.connector, "ffn")
+    recv_layer = cls.recv_layer
+
+    def dying(self, stage_idx, layer_idx, max_num_tokens=None):
+        if (self._plan.step, layer_idx) == die_at:
+            os._exit(17)
+        return recv_layer(self, stage_idx, layer_idx, max_num_tokens)
+    cls.recv_layer = dying
+    return ffn_rank(spec, rank)

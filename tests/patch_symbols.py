@@ -6,14 +6,14 @@ import importlib
 import sys
 import types
 
-from afd_common.patching import PatchSet
+from afd_common.vllm_glue.patching import PatchSet
 
 
 def builders() -> dict:
     """Every patch set afd ships, by name (built, not installed)."""
     importlib.import_module("vllm.entrypoints.launchers.app")  # as in the API server process
     from afd_attention.patches import async_dp_engine, async_dp_forward_context, remote_moe
-    from afd_common.patches import api_server, moe_parallel, vllm_config, weight_census
+    from afd_common.vllm_glue.patches import api_server, moe_parallel, vllm_config, weight_census
     from afd_ffn.patches import prune
     return {"vllm_config": vllm_config.build, "api_server": api_server.build,
             "moe_parallel": moe_parallel.build,

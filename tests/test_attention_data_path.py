@@ -1,7 +1,7 @@
 """The attention role's data path, in one process and in seconds: ``AttentionSession`` (step
 begin and end, empty stages, the ride-through), ``MicroBatchPipeline`` with m = 1..3 and the
 runner's split on request boundaries, against real FFN services, over ``LoopbackAFDConnector``
-(the P2P connector's wire with in-process mailboxes, afd_common.loopback).
+(the P2P connector's wire with in-process mailboxes, afd_common.transport.loopback).
 
 Each forward is checked against the same model run with every expert local: micro-batching, the
 split of the rows over the FFN ranks (replicated or sharded experts), an idle DP rank's dummy
@@ -24,14 +24,14 @@ import torch
 
 from afd_attention.micro_batches import MicroBatchPipeline, split_on_requests
 from afd_attention.session import AttentionSession
-from afd_common import lifecycle
+from afd_common.vllm_glue import lifecycle
 from afd_common.config import parse_afd_config
-from afd_common.loopback import LoopbackGroup, _Hub
+from afd_common.transport.loopback import LoopbackGroup, _Hub
 from afd_common.metadata import ModelShape
 from afd_common.placement import placement_for
-from afd_common.server_root import SERVER_PID_ENV
+from afd_common.vllm_glue.server_root import SERVER_PID_ENV
 from afd_common.registry import resolve_connector
-from afd_common.selftest import free_port
+from afd_common.tools.launch import free_port
 from afd_ffn.loopback_connector import LoopbackFFNConnector
 from afd_ffn.service import FFNService
 
@@ -323,7 +323,7 @@ def test_loopback_waits_fail_when_the_peer_leaves_and_time_out_naming_what():
 
 
 def test_a_loopback_world_split_over_two_processes_is_refused():
-    from afd_common.loopback import join_group
+    from afd_common.transport.loopback import join_group
 
     class OtherProcessStore:  # rank 0 named mailboxes that live in another process
         def get(self, key):

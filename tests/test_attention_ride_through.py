@@ -18,13 +18,13 @@ import torch
 from afd_attention import session as session_mod
 from afd_attention.micro_batches import MicroBatchPipeline
 from afd_attention.session import AttentionSession
-from afd_common import lifecycle, role_status
+from afd_common.vllm_glue import lifecycle, role_status
 from afd_common.config import parse_afd_config
 from afd_common.contract import PendingResult
 from afd_common.errors import AFDPeerError, AFDTimeoutError
 from afd_common.metadata import ModelShape
 from afd_common.placement import placement_for
-from afd_common.server_root import SERVER_PID_ENV
+from afd_common.vllm_glue.server_root import SERVER_PID_ENV
 
 LAYERS = (1, 2, 3)
 SHAPE = ModelShape(hidden_size=4, dtype=torch.float32, num_layers=4, moe_layers=LAYERS,

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from afd_common.bench import prom, report, stats
-from afd_common.bench.options import parse_args, parse_cores
-from afd_common.bench.load import make_prompts
-from afd_common.bench.stats import RequestTiming
+from afd_common.tools.bench import prom, report, stats
+from afd_common.tools.bench.options import parse_args, parse_cores
+from afd_common.tools.bench.load import make_prompts
+from afd_common.tools.bench.stats import RequestTiming
 
 EXPOSITION = """\
 # HELP afd_wait_seconds Time blocked waiting for a result.

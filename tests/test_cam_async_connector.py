@@ -7,7 +7,7 @@ import torch
 from afd_common.config import parse_afd_config
 from afd_common.metadata import ModelShape
 from afd_common.registry import resolve_connector
-from afd_common.selftest import Spec, run_world
+from afd_common.tools.selftest import Spec, run_world
 
 pytestmark = pytest.mark.multiproc
 

@@ -357,7 +357,7 @@ def _worker(rank, tp, port, q, die_rank):
         import torch.distributed as dist
 
         import afd_ascend_ops
-        from afd_common.transport import new_group, register_named_group
+        from afd_common.transport.process_groups import new_group, register_named_group
 
         torch.set_num_threads(1)
         afd_ascend_ops.ensure_cam_async_ops_available("cpu")
@@ -386,7 +386,7 @@ def run_world(tp, die_rank=None):
     """
     import multiprocessing as mp
 
-    from afd_common.selftest import free_port
+    from afd_common.tools.launch import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

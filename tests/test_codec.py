@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afd_common import codec
+from afd_common.transport import codec
 from afd_common.errors import AFDProtocolError
 from afd_common.metadata import MAX_STAGES, StepKind, StepMetadata
 

@@ -9,7 +9,7 @@ from vllm.config import CUDAGraphMode
 from vllm.config.compilation import CompilationMode
 
 from afd_common.config import parse_afd_config
-from afd_common.patches.vllm_config import REMOTE_EXPERTS_OP, cuda_graph_policy
+from afd_common.vllm_glue.patches.vllm_config import REMOTE_EXPERTS_OP, cuda_graph_policy
 
 ATTENTION = parse_afd_config({"role": "attention"})
 FFN = parse_afd_config({"role": "ffn"})

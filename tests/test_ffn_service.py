@@ -14,8 +14,9 @@ from dataclasses import replace
 
 import pytest
 
-from afd_common.selftest import Spec, expected, expected_async, free_port
-from afd_common.selftest import _entry as selftest_rank
+from afd_common.tools.launch import free_port
+from afd_common.tools.selftest import Spec, expected, expected_async
+from afd_common.tools.selftest import _entry as selftest_rank
 from op_world import join_or_kill
 
 pytestmark = pytest.mark.multiproc
@@ -152,7 +153,7 @@ def _riding_attention_rank(spec: Spec, rank: int, steps_after: int, q) -> None:
 
     from afd_attention.session import AttentionSession
     from afd_common.registry import resolve_connector
-    from afd_common.selftest import expected, expected_async, make_inputs, tokens
+    from afd_common.tools.selftest import expected, expected_async, make_inputs, tokens
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)

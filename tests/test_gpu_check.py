@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from afd_common import gpu_check
+from afd_common.tools import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 

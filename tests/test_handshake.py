@@ -7,7 +7,8 @@ import traceback
 
 import pytest
 
-from afd_common.selftest import Spec, free_port, run_world
+from afd_common.tools.launch import free_port
+from afd_common.tools.selftest import Spec, run_world
 from op_world import join_or_kill
 
 pytestmark = pytest.mark.multiproc
@@ -76,8 +77,8 @@ def _stalling_rank(role: str, spec: Spec, stall_s: float, tamper: bool, linger_s
     """One rank forming an ``AFDWorld`` directly, no connector. With ``stall_s`` it stops that long
     after publishing its hello, before reading anything: a rank descheduled on a loaded machine.
     With ``tamper`` its hello is altered on the way (after signing), which only its peers notice."""
-    from afd_common import world
-    from afd_common.codec import decode_json, encode_json
+    from afd_common.transport import world
+    from afd_common.transport.codec import decode_json, encode_json
     from afd_common.topology import Topology
 
     hello_at = []
@@ -191,7 +192,7 @@ def test_master_lingers_only_a_bounded_time_for_a_peer_that_never_reads():
 def test_gloo_binds_the_interfaces_gloo_socket_ifname_names(monkeypatch):
     """Gloo's own default device resolves the hostname (often to 127.0.0.1): with
     GLOO_SOCKET_IFNAME set, the AFD groups bind exactly the named interfaces, as torch's do."""
-    from afd_common.transport import gloo_devices
+    from afd_common.transport.process_groups import gloo_devices
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,lo")
     assert len(gloo_devices("10.0.0.2")) == 2
@@ -209,7 +210,7 @@ def test_signed_store_refuses_entries_no_authenticated_rank_wrote():
     import torch.distributed as dist
 
     from afd_common.errors import AFDPeerError
-    from afd_common.transport import SignedStore
+    from afd_common.transport.process_groups import SignedStore
 
     inner = dist.HashStore()
     ours, other = SignedStore(inner, b"this session"), SignedStore(inner, b"another")
@@ -236,7 +237,7 @@ def test_a_forged_group_entry_cannot_redirect_a_rank():
     import torch.distributed as dist
 
     from afd_common.errors import AFDPeerError
-    from afd_common.transport import SignedStore, new_group
+    from afd_common.transport.process_groups import SignedStore, new_group
 
     port = free_port()
     master = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=10),
@@ -277,7 +278,7 @@ def _world_in_thread(role: str, spec: Spec, connect_timeout_s: float | None, out
     import dataclasses
     import threading
 
-    from afd_common import world
+    from afd_common.transport import world
     from afd_common.topology import Topology
 
     config = spec.config(role)
@@ -328,7 +329,7 @@ def _form_2a1f(steps_done: tuple) -> dict:
     ``{(role, rank): catch_up_steps or the error}``."""
     import threading
 
-    from afd_common import world
+    from afd_common.transport import world
     from afd_common.topology import Topology
 
     spec, out = Spec(2, 1, timeout_s=20, port=free_port()), {}

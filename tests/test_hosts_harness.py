@@ -1,5 +1,5 @@
-"""The hosts harness (afd_common.bench.hosts) that afd-bench --hosts and the multi-host e2e tests
-stand on: namespaces with their own addresses, a capped link really runs at its cap in both
+"""The hosts harness (afd_common.tools.bench.hosts) that afd-bench --hosts and the multi-host e2e
+tests stand on: namespaces with their own addresses, a capped link really runs at its cap in both
 directions, a cut link carries nothing, and nothing is left behind. Root only; never skipped."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from afd_common.bench.hosts import Hosts, ip, our_netns, rate_bits
-from afd_common.selftest import free_port
+from afd_common.tools.bench.hosts import Hosts, ip, our_netns, rate_bits
+from afd_common.tools.launch import free_port
 
 PAYLOAD = 2_500_000  # bytes: 1 s at 20 Mbit/s
 SINK = """

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from afd_common.errors import AFDPeerError
-from afd_common.inorder import InOrderGroup
+from afd_common.transport.inorder import InOrderGroup
 from op_world import run_op_world
 
 
@@ -68,7 +68,7 @@ def test_a_posted_receive_holds_back_later_sends_to_the_same_peer_only():
 
 def _exchange(rank, group_name, in_order, reply_first):
     """Rank 0 plays the attention side of one MoE layer, rank 1 the FFN side."""
-    from afd_common.transport import PeerIO
+    from afd_common.transport.process_groups import PeerIO
 
     pg = torch._C._distributed_c10d._resolve_process_group(group_name)
     io = PeerIO(pg, lambda r: f"rank {r}", in_order=in_order)
@@ -136,7 +136,7 @@ class _NcclGroup:
 def test_device_waits_are_bounded_by_the_step_timeout_and_real():
     """On NCCL/HCCL a receive is waited for on the CPU until it completed, at most the step
     timeout: the measured wait is the real one, and a lost peer is an error in bounded time."""
-    from afd_common.transport import PeerIO
+    from afd_common.transport.process_groups import PeerIO
 
     io = PeerIO(_NcclGroup(after_s=0.2), lambda r: f"FFN rank {r}")
     start = time.monotonic()

@@ -1,6 +1,7 @@
 """Package boundaries: common imports no role; a role never imports the other role."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,59 @@ def test_no_connector_half_is_more_than_four_afd_classes_deep():
             if len(chain) > 4:
                 deep[f"{role}:{name}"] = " -> ".join(chain)
     assert not deep, deep
+
+
+def test_only_the_tools_import_the_tools():
+    """A role's container installs afd-common but never needs bench, demo or the tiny model."""
+    graph = _import_graph(_afd_modules())
+    bad = sorted(f"{m} imports {d}" for m, deps in graph.items() for d in deps
+                 if d.startswith("afd_common.tools") and not m.startswith("afd_common.tools"))
+    assert not bad, "\n".join(bad)
+
+
+def test_no_role_specific_code_in_afd_common():
+    """A module of afd_common that only one role imports (and no other module of afd_common)
+    belongs in that role's package."""
+    graph = _import_graph(_afd_modules())
+    lonely = {}
+    for mod in graph:
+        if not mod.startswith("afd_common.") or mod.startswith("afd_common.tools"):
+            continue
+        importers = {m for m, deps in graph.items() if mod in deps}
+        roles = {m.split(".")[0] for m in importers if not m.startswith("afd_common")}
+        if len(roles) == 1 and importers and all(not m.startswith("afd_common")
+                                                 for m in importers):
+            lonely[mod] = sorted(importers)
+    assert not lonely, lonely
+
+
+def _names_used(modules: dict[str, Path]) -> set[str]:
+    used = set()
+    for path in modules.values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Name):
+                used.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                used.add(node.attr)
+    for toml in (ROOT / "packages").glob("*/pyproject.toml"):  # entry points name their targets
+        used.update(re.findall(r':(\w+)"', toml.read_text()))
+    return used
+
+
+def test_tests_import_no_helper_the_product_does_not_use():
+    """What the tests import from afd is what afd itself uses: helpers and fault injection that
+    only tests need live under tests/ (op_world.py), and the product imports nothing from
+    there."""
+    modules = _afd_modules()
+    used = _names_used(modules)
+    test_modules = {f.stem for f in (ROOT / "tests").rglob("*.py")}
+    test_only = []
+    for f in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                test_only += [f"{f.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                              if f"{node.module}.{a.name}" not in modules and a.name not in used]
+    assert not test_only, "\n".join(test_only)
+    from_tests = [f"{m}: imports {name}" for m, path in modules.items()
+                  for name, _ in imported_modules(path) if name in test_modules]
+    assert not from_tests, from_tests

@@ -11,12 +11,12 @@ import sys
 import textwrap
 
 
-from afd_common import lifecycle
+from afd_common.vllm_glue import lifecycle
 
 ROOT = textwrap.dedent("""
     import os, signal, subprocess, sys, time
     os.environ["AFD_SERVER_PID"] = str(os.getpid())
-    from afd_common import lifecycle
+    from afd_common.vllm_glue import lifecycle
     lifecycle.install_root_failure_handler()
     stopped = []
     signal.signal(signal.SIGTERM, lambda *a: stopped.append(True))  # vLLM's graceful stop
@@ -35,7 +35,7 @@ def test_failed_worker_ends_itself_and_the_root_stops_and_exits_non_zero():
     """A server vLLM did not stop by itself within STOP_RETRY_S (a role failing between its
     engine's start and its HTTP server's) is stopped by its root."""
     r = run_root(worker_code="""
-        from afd_common import lifecycle
+        from afd_common.vllm_glue import lifecycle
         lifecycle.mark_failed("FFN rank 0 failed: lost attention rank 0")
         lifecycle.mark_failed("a second report is not logged again")
         lifecycle.exit_worker()

@@ -23,12 +23,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afd_common import codec
-from afd_common.control_plane import GlooControlPlane
+from afd_common.transport import codec
+from afd_common.transport.control_plane import GlooControlPlane
 from afd_common.errors import AFDPeerError, AFDProtocolError
 from afd_common.metadata import MAX_STAGES, StepKind, StepMetadata
 from afd_common.registry import resolve_connector
-from afd_common.selftest import Spec, ffn_rank, free_port
+from afd_common.tools.launch import free_port
+from afd_common.tools.selftest import Spec, ffn_rank
 from op_world import join_or_kill
 
 MAX_TOKENS = 8192  # this FFN role's max_num_tokens (the default shape of a Spec)

@@ -6,7 +6,7 @@ import threading
 import torch
 
 from afd_attention.micro_batches import MicroBatchPipeline
-from afd_common.model_thread import enter_model_thread
+from afd_common.vllm_glue.model_thread import enter_model_thread
 
 
 def test_sets_device_and_vllm_config_in_the_thread(monkeypatch):

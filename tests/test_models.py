@@ -9,9 +9,9 @@ import pytest
 
 from afd_common.config import parse_afd_config
 from afd_common.errors import AFDConfigError
-from afd_common.models import ARCHITECTURES, check_model, check_router, is_routed_expert
-from afd_common.tiny_model import ARCHS
-from afd_common.vllm_model import weight_category
+from afd_common.vllm_glue.models import ARCHITECTURES, check_model, check_router, is_routed_expert
+from afd_common.tools.tiny_model import ARCHS
+from afd_common.vllm_glue.model import weight_category
 
 
 def _vllm_config(arch: str, speculative: str | None = None):
@@ -112,7 +112,7 @@ def test_weights_are_counted_by_category(name, category):
 REFUSALS_THROUGH_VLLM = r'''
 import json, re, sys
 from vllm.engine.arg_utils import EngineArgs
-from afd_common.patches import vllm_config
+from afd_common.vllm_glue.patches import vllm_config
 
 mixtral, dense = sys.argv[1:3]
 cases = {
@@ -144,7 +144,7 @@ def test_refusals_happen_where_vllm_completes_its_config(tmp_path):
     import subprocess
     import sys
 
-    from afd_common.tiny_model import write_tiny_model
+    from afd_common.tools.tiny_model import write_tiny_model
 
     mixtral = write_tiny_model("mixtral", tmp_path / "mixtral", num_layers=2)
     dense = write_tiny_model("qwen3_moe", tmp_path / "dense", num_layers=2)

@@ -8,7 +8,7 @@ the sends of 40 steps would grow every rank by tens of MiB."""
 
 import pytest
 
-from afd_common.selftest import Spec, run_world
+from afd_common.tools.selftest import Spec, run_world
 
 pytestmark = pytest.mark.multiproc
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from afd_common.patching import PatchSet
+from afd_common.vllm_glue.patching import PatchSet
 from patch_symbols import builders, symbols
 
 
@@ -71,7 +71,7 @@ def test_async_dp_patches_see_vllm_as_it_is_meant():
 def test_async_dp_platform_gate(kind, extra, field):
     from afd_common.config import parse_afd_config
     from afd_common.errors import AFDConfigError
-    from afd_common.patches.vllm_config import _check_async_dp
+    from afd_common.vllm_glue.patches.vllm_config import _check_async_dp
 
     afd = parse_afd_config({"role": "attention", "connector": "CAMAsyncAFDConnector",
                             "async_dp": True, "compute_gate_on_attention": True,

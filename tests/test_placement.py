@@ -72,7 +72,7 @@ def _vllm_config(afd: dict, *, ep: bool, eplb: bool = False, experts: int = 7):
 def test_refusals_name_the_field_on_both_roles(role, ep, eplb, gate, field):
     """Checked where vLLM completes its config: in the API server, before any engine, socket
     or process group exists."""
-    from afd_common.patches.vllm_config import _check_placement
+    from afd_common.vllm_glue.patches.vllm_config import _check_placement
 
     afd = {"role": role, "num_ffn_ranks": 2, "num_attention_ranks": 2 if role == "ffn" else 2,
            "compute_gate_on_attention": gate}
@@ -84,8 +84,8 @@ def test_refusals_name_the_field_on_both_roles(role, ep, eplb, gate, field):
 def test_attention_role_keeps_the_placement_but_not_vllms_expert_parallelism():
     """The attention role holds no routed experts: vLLM's EP is switched off there (an async-DP
     attention engine is not MoE for vLLM, which would refuse it), the placement is kept."""
-    from afd_common.patches.vllm_config import _check_placement
-    from afd_common.vllm_model import expert_placement
+    from afd_common.vllm_glue.patches.vllm_config import _check_placement
+    from afd_common.vllm_glue.model import expert_placement
 
     afd = {"role": "attention", "num_ffn_ranks": 2, "compute_gate_on_attention": True}
     cfg = _vllm_config(afd, ep=True)
@@ -97,7 +97,7 @@ def test_attention_role_keeps_the_placement_but_not_vllms_expert_parallelism():
 
 
 def test_sharded_with_gate_on_attention_and_replicated_pass():
-    from afd_common.patches.vllm_config import _check_placement
+    from afd_common.vllm_glue.patches.vllm_config import _check_placement
 
     for ep, gate in ((True, True), (False, False)):
         afd = {"role": "ffn", "num_ffn_ranks": 2, "compute_gate_on_attention": gate}

@@ -8,9 +8,9 @@ import tempfile
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from afd_common import role_status
-from afd_common.patches.api_server import add_attention_health
-from afd_common.server_root import SERVER_PID_ENV
+from afd_common.vllm_glue import role_status
+from afd_common.vllm_glue.patches.api_server import add_attention_health
+from afd_common.vllm_glue.server_root import SERVER_PID_ENV
 
 
 def test_health_is_503_with_the_reason_while_a_rank_waits_and_vllms_own_otherwise(
@@ -53,7 +53,7 @@ def test_ffn_health_is_what_the_ranks_published_and_vllms_engine_check(monkeypat
 
     from fastapi.responses import JSONResponse
 
-    from afd_common.patches.api_server import add_ffn_guard
+    from afd_common.vllm_glue.patches.api_server import add_ffn_guard
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv(SERVER_PID_ENV, "31338")

@@ -2,6 +2,7 @@
 
 CAMP2p moves its rows through the portable afd_ascend.a2e/e2a kernels over Gloo."""
 
+import functools
 import time
 
 import pytest
@@ -11,7 +12,8 @@ from afd_common.config import parse_afd_config
 from afd_common.errors import AFDConfigError
 from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
 from afd_common.registry import resolve_connector
-from afd_common.selftest import Spec, run_world
+from afd_common.tools.selftest import Spec, run_world
+from op_world import ffn_rank_dying_at
 
 pytestmark = pytest.mark.multiproc
 
@@ -117,10 +119,10 @@ def test_cam_p2p_refuses_fewer_attention_than_ffn_ranks_before_any_socket():
 @pytest.mark.parametrize("connector", ["P2pAFDConnector", "CAMP2pAFDConnector"])
 def test_peer_killed_mid_step_fails_fast(connector):
     timeout = 8.0
-    spec = Spec(2, 1, connector=connector, steps=5, timeout_s=timeout, die_ffn_rank=0,
-                die_at=(2, 1))
+    spec = Spec(2, 1, connector=connector, steps=5, timeout_s=timeout)
     start = time.monotonic()
-    results = run_world(spec, deadline_s=60)
+    results = run_world(spec, deadline_s=60, rank_fns={
+        ("ffn", 0): functools.partial(ffn_rank_dying_at, die_at=(2, 1))})
     by = {(r.role, r.rank): r for r in results}
     assert by[("ffn", 0)].status == "exit" and by[("ffn", 0)].detail == 17
     for a in range(2):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from afd_common.tiny_model import ARCHS, write_tiny_model
+from afd_common.tools.tiny_model import ARCHS, write_tiny_model
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -27,7 +27,7 @@ def test_experts_seed_changes_the_routed_experts_only(arch, tmp_path):
 def test_every_token_is_readable_text_and_ascii_round_trips():
     """A tiny model's random answers must read as text, not as broken UTF-8 (the demo printed
     '\\ufffd\\ufffdsteld ever\\ufffdreried' before)."""
-    from afd_common.tiny_model.tokenizer import ROLE_TOKENS, train_tokenizer
+    from afd_common.tools.tiny_model.tokenizer import ROLE_TOKENS, train_tokenizer
 
     tok = train_tokenizer(512)
     assert tok.get_vocab_size() == 512  # the corpus fills it: no id is left without a token
@@ -44,7 +44,7 @@ def test_every_token_is_readable_text_and_ascii_round_trips():
 def test_the_demo_shows_each_servers_weights_by_category(tmp_path, capsys):
     """The demo's table: colocated vLLM holds the whole checkpoint, the attention role no routed
     expert, the FFN role only routed experts (the RSS alone hid it behind the KV cache)."""
-    from afd_common.demo import checkpoint_weights, print_weights
+    from afd_common.tools.demo import checkpoint_weights, print_weights
 
     model = write_tiny_model("deepseek_v2", tmp_path / "m", num_layers=2, num_experts=4)
     whole = checkpoint_weights(model)

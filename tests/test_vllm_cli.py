@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import afd_common.vllm_dist_alias as alias
+import afd_common.vllm_glue.dist_alias as alias
 
 
 def test_vllm_version_resolves_to_the_cpu_build():

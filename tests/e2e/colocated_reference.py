@@ -41,7 +41,7 @@ def engine_kwargs(common_args: list[str]) -> dict:
 def main(jobs_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from afd_common.launch import COMMON_ARGS
+    from afd_common.tools.launch import COMMON_ARGS
 
     kwargs = engine_kwargs(COMMON_ARGS)
     results = {}

@@ -22,17 +22,17 @@ from pathlib import Path
 
 import pytest
 
-from afd_common.launch import (BASE_ENV, COMMON_ARGS, PROMPTS, Server, afd_args, complete,
+from afd_common.tools.launch import (BASE_ENV, COMMON_ARGS, PROMPTS, Server, afd_args, complete,
                                wait_gone)
 from afd_common.placement import expert_owners
-from afd_common.selftest import free_port
-from afd_common.tiny_model import write_tiny_model
+from afd_common.tools.launch import free_port
+from afd_common.tools.tiny_model import write_tiny_model
 
-from afd_common.bench.hosts import Hosts
+from afd_common.tools.bench.hosts import Hosts
 
 pytestmark = pytest.mark.e2e
 NUM_PROMPTS = 16
-# Every architecture of afd_common.models (tiny_model.ARCHS), served colocated once each.
+# Every architecture of afd_common.vllm_glue.models (tiny_model.ARCHS), served colocated once each.
 ARCHS = ("deepseek_v2", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "mixtral", "olmoe",
          "qwen2_moe")
 # Routed experts per checkpoint: 8 mostly (3 FFN ranks do not divide it; CAMAsync's ops need an

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from afd_common.launch import Server, afd_args, wait_gone
-from afd_common.lifecycle import FAILED_EXIT_CODE
-from afd_common.selftest import free_port
-from afd_common.tiny_model import write_tiny_model
+from afd_common.tools.launch import Server, afd_args, wait_gone
+from afd_common.vllm_glue.lifecycle import FAILED_EXIT_CODE
+from afd_common.tools.launch import free_port
+from afd_common.tools.tiny_model import write_tiny_model
 
 from .conftest import AUTH_SECRET as SECRET
 from .conftest import afd_pair, get, kill_all, long_request, run_mixed, say

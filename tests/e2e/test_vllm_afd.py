@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from afd_common.launch import PROMPTS, compare, complete, wait_gone
-from afd_common.lifecycle import FAILED_EXIT_CODE
+from afd_common.tools.launch import PROMPTS, compare, complete, wait_gone
+from afd_common.vllm_glue.lifecycle import FAILED_EXIT_CODE
 from afd_common.placement import ExpertPlacement
 
-from afd_common.bench.hosts import Hosts
+from afd_common.tools.bench.hosts import Hosts
 
 from .conftest import (AUTH_SECRET, FAMILY_CONTROLS, NUM_EXPERTS, NUM_PROMPTS, RIDE_THROUGH_TOKENS,
                        SHARDED_CONTROL_RANKS, RequestStream, afd_pair, get, kill_all, long_request,
@@ -138,8 +138,8 @@ CASES = [
          inorder=True, ride_through="SIGTERM"),
     Case("deepseek_v2", True, A=2, F=2, connector="CAMAsyncAFDConnector", sharded=True,
          inorder=True, ride_through="SIGKILL"),
-    # Every other architecture of afd_common.models, 1A1F over P2P, with the gate where the
-    # table puts it (DeepSeek-V2 1A1F with the gate on the FFN role: the load pair of
+    # Every other architecture of afd_common.vllm_glue.models, 1A1F over P2P, with the gate where
+    # the table puts it (DeepSeek-V2 1A1F with the gate on the FFN role: the load pair of
     # test_reliability). DeepSeek-V3 also with 2 attention ranks and m = 2.
     Case("deepseek_v3", False),
     Case("deepseek_v3", True, A=2, m=2, hosts=True),
@@ -463,8 +463,8 @@ class Control:
         return self.ffn_model
 
 
-# One per family of afd_common.models, by where the router runs: in vLLM's MoE layer (DeepSeek,
-# Qwen3-MoE: the gate may run on the FFN role) or in the model (the others: routed on the
+# One per family of afd_common.vllm_glue.models, by where the router runs: in vLLM's MoE layer
+# (DeepSeek, Qwen3-MoE: the gate may run on the FFN role) or in the model (the others: routed on the
 # attention role). Qwen3-MoE's experts are sharded over 2 FFN ranks with only the last rank's
 # share reseeded: that share must come from that rank (the attention role holds no routed expert:
 # check_weights; the other share is shown used by the equality cases).

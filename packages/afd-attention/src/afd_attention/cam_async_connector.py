@@ -5,7 +5,7 @@ No control plane: each MoE layer's hidden states and top-k routing go out throug
 weighted expert outputs come back through ``afd_ascend.afd_async_combine_recv``. The FFN side
 serves whichever attention rank is ready, so this rank never waits for the others (async DP).
 ``routed_scaling_factor`` stays on this role, as for every connector. World layout and expert
-sharding: ``afd_common.cam_wire``.
+sharding: ``afd_common.transport.cam``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from afd_common import metrics
-from afd_common.cam_wire import ATTENTION_TP, CAMAsyncHalf, op_error, release_sends
+from afd_common.transport.cam import ATTENTION_TP, CAMAsyncHalf, op_error, release_sends
 from afd_common.contract import AttentionConnector
 
 STOP_LAYER = -1

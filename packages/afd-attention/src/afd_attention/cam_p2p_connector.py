@@ -5,7 +5,7 @@ results come back through ``afd_ascend.e2a`` (with sharded experts: to and from 
 that owns one of a row's experts), one registered group per micro-batch stage; step
 metadata goes once per step over the Gloo control plane. On an NPU the ops ride HCCL through
 torch-npu (not exercised here); on CPU the portable kernels ride Gloo. World layout and mapping:
-``afd_common.cam_wire``.
+``afd_common.transport.cam``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from afd_common import metrics
-from afd_common.cam_wire import CAMP2pHalf, op_error
+from afd_common.transport.cam import CAMP2pHalf, op_error
 from afd_common.contract import AttentionConnector
 
 

@@ -7,7 +7,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from afd_common.metrics import MetricsWorkerMixin
-from afd_common.patching import PatchSet
+from afd_common.vllm_glue.patching import PatchSet
 
 from afd_attention.runner import AFDAttentionRunnerMixin, AFDAttentionWorkerMixin
 

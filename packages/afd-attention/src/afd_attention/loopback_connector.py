@@ -1,10 +1,10 @@
 """Attention half of ``LoopbackAFDConnector``: the P2P connector's data path with every rank of
-the world in one process (afd_common.loopback), for tests and examples."""
+the world in one process (afd_common.transport.loopback), for tests and examples."""
 
 from __future__ import annotations
 
-from afd_common.loopback import PROTOCOL
-from afd_common.p2p_wire import open_p2p_world
+from afd_common.transport.loopback import PROTOCOL
+from afd_common.transport.p2p import open_p2p_world
 
 from afd_attention.p2p_connector import P2pAttentionConnector
 

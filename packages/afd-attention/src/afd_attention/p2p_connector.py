@@ -2,7 +2,7 @@
 
 torch.distributed point-to-point: Gloo on CPU, NCCL on CUDA (``connector_extra_config.backend``
 overrides). Rank layout and the A:F mapping: ``afd_common.topology``; message layout and the order
-of operations on a link: ``afd_common.p2p_wire``.
+of operations on a link: ``afd_common.transport.p2p``.
 
 Replicated experts: this rank's rows go to its FFN peer(s) as the topology splits them. Sharded
 experts (M2N): a row goes to every FFN rank that owns one of its top-k experts, after a row
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from afd_common import metrics
-from afd_common.p2p_wire import PROTOCOL, count_tag, data_tag, open_p2p_world, pack
+from afd_common.transport.p2p import PROTOCOL, count_tag, data_tag, open_p2p_world, pack
 from afd_common.contract import AttentionConnector
 
 

@@ -10,8 +10,8 @@ Where each part of an MoE block runs:
 | shared experts                    | yes            | no       |
 | gate + top-k routing              | if ``compute_gate_on_attention`` | otherwise |
 
-A model that computes its router logits itself (Mixtral, ...: ``afd_common.models``) routes on
-the attention role only.
+A model that computes its router logits itself (Mixtral, ...: ``afd_common.vllm_glue.models``)
+routes on the attention role only.
 | routed experts (weighted by top-k) | no            | yes      |
 | ``routed_scaling_factor``, + shared | yes          | no       |
 
@@ -83,7 +83,8 @@ class AFDAttentionMoERunner(MoERunner):
         x = hidden_states
         if afd_session.current().gate_on_attention:
             # As vLLM's runner: its own gate when the model handed it one, else the model's
-            # logits (afd_common.models refuses the gate on the FFN role for such a model).
+            # logits (afd_common.vllm_glue.models refuses the gate on the FFN role for such a
+            # model).
             logits = router_logits if self.gate is None else self.gate(x)[0]
             topk_weights, topk_ids = self.router.select_experts(
                 hidden_states=x, router_logits=logits, topk_indices_dtype=None,

@@ -18,11 +18,11 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.worker.ubatch_utils import UBatchSlice
 
 from afd_common.config import afd_config_from_vllm
-from afd_common.models import check_router
+from afd_common.vllm_glue.models import check_router
 from afd_common.registry import resolve_connector
-from afd_common.model_thread import enter_model_thread
-from afd_common.patches import moe_parallel, weight_census
-from afd_common.vllm_model import expert_placement, layer_index, model_shape, weight_summary
+from afd_common.vllm_glue.model_thread import enter_model_thread
+from afd_common.vllm_glue.patches import moe_parallel, weight_census
+from afd_common.vllm_glue.model import expert_placement, layer_index, model_shape, weight_summary
 
 from afd_attention.micro_batches import MicroBatchPipeline, split_on_requests
 from afd_attention.patches import async_dp_enabled, async_dp_forward_context

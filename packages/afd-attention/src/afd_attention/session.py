@@ -15,7 +15,7 @@ When the FFN role is lost after start-up, the session rides through it (``reconn
 whichever FFN role turns up (a restarted one, or the same one after a network fault), and the
 interrupted forward runs again from its start (``run_forward``). A forward is a pure function of
 its inputs and of the KV cache it writes to fixed slots, so the re-run gives the tokens the
-uninterrupted one would have. Meanwhile ``/health`` answers 503 (afd_common.role_status).
+uninterrupted one would have. Meanwhile ``/health`` answers 503 (afd_common.vllm_glue.role_status).
 
 Lock-step DP attention ranks (several, without ``async_dp``) may be lost a forward apart: one got
 its step's last result, another did not and runs the step again; the first waits for it in vLLM's
@@ -25,7 +25,7 @@ runs an empty step first (``_catch_up``): the FFN side pairs it with the other's
 
 Without a ride-through (or past its bound) the role ends as before: a running step fails by
 itself (its receive raises), so only an idle worker must be ended from outside
-(afd_common.lifecycle).
+(afd_common.vllm_glue.lifecycle).
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ from collections.abc import Callable
 
 import torch
 
-from afd_common import lifecycle, metrics, role_status
+from afd_common.vllm_glue import lifecycle, role_status
+from afd_common import metrics
 from afd_common.config import AFDConfig
 from afd_common.contract import AttentionConnector
 from afd_common.errors import AFDError, AFDHandshakeError, AFDPeerError
 from afd_common.metadata import LayerCall, StepKind, StepMetadata
-from afd_common.transport import CONNECT_PROGRESS_EVERY_S
-from afd_common.vllm_model import layer_index
+from afd_common.transport.process_groups import CONNECT_PROGRESS_EVERY_S
+from afd_common.vllm_glue.model import layer_index
 
 from afd_attention import micro_batches
 from afd_attention.micro_batches import MicroBatchPipeline

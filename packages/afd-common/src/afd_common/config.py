@@ -162,7 +162,8 @@ class AFDConfig:
     num_ffn_ranks: int = 1
     compute_gate_on_attention: bool = False
     async_dp: bool = False
-    # Serve an architecture missing from afd_common.models.ARCHITECTURES (logged as a warning).
+    # Serve an architecture missing from afd_common.vllm_glue.models.ARCHITECTURES (logged as a
+    # warning).
     allow_untested_model: bool = False
     extra: ExtraConfig = field(default_factory=ExtraConfig)
 

@@ -120,8 +120,8 @@ class ControlPlane(abc.ABC):
 
 class Net(Protocol):
     """What a half's ``_open`` returns and ``close`` releases: its world, groups and control
-    plane (afd_common.sync_links, afd_common.cam_wire). A half holds it in values, never in a
-    module global, so a session may drop one world and open the next."""
+    plane (afd_common.transport.sync_links, afd_common.transport.cam). A half holds it in
+    values, never in a module global, so a session may drop one world and open the next."""
 
     #: The step metadata's carrier; None where the data path carries it (streaming).
     control: ControlPlane | None
@@ -242,7 +242,7 @@ class AttentionConnector(AFDConnector):
     #: far, told to the other attention ranks in the handshake (None: nothing to line up).
     steps_done: int | None = None
     #: Set by ``init``: empty steps to run first, so that the FFN side pairs another rank's
-    #: re-run of a forward this rank finished with one of them (afd_common.world).
+    #: re-run of a forward this rank finished with one of them (afd_common.transport.world).
     catch_up_steps: int = 0
 
     def __init__(self, *args, **kwargs):

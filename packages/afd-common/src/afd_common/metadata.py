@@ -1,7 +1,7 @@
 """What travels with the hidden states: step metadata, per-layer call metadata and work items.
 
 These are the dataclasses of the contract (``afd_common.contract``). They are plain data: the wire
-format lives in ``afd_common.codec`` and never pickles them.
+format lives in ``afd_common.transport.codec`` and never pickles them.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ anyway: no device sync, no extra message) into plain in-process histograms; obse
 about a microsecond. vLLM serves ``/metrics`` from its API server, another process, so the API
 server asks the workers for a snapshot at scrape time (``afd_metrics`` over vLLM's
 ``collective_rpc``, answered between steps) and adds them to the response
-(afd_common.patches.api_server). Nothing is written per step to any file or socket.
+(afd_common.vllm_glue.patches.api_server). Nothing is written per step to any file or socket.
 
 Series (``HISTOGRAMS`` below, in seconds, and the ``afd_bytes_total`` counter with a
 ``direction`` label), all labelled ``role`` and ``connector``. Expert load, what a balancer

@@ -5,7 +5,7 @@ flags, and the handshake compares the result):
 
 * **replicated** (no ``--enable-expert-parallel``): every FFN rank holds every routed expert in
   full. vLLM would build the MoE layers of a DP > 1 role tensor-parallel over the DP ranks; afd
-  builds them as if DP were 1 (``afd_common.patches.moe_parallel``).
+  builds them as if DP were 1 (``afd_common.vllm_glue.patches.moe_parallel``).
 * **sharded** (``--enable-expert-parallel`` with more than one FFN rank): FFN rank ``f`` holds
   exactly the experts vLLM's expert parallelism gives EP rank ``f`` of ``F``
   (``--expert-placement-strategy`` linear or round_robin, uneven shares when ``F`` does not divide

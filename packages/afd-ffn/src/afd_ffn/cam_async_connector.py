@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from afd_common.cam_wire import ATTENTION_TP as TP_SIZE, CAMAsyncHalf, op_error, release_sends
+from afd_common.transport.cam import ATTENTION_TP as TP_SIZE, CAMAsyncHalf, op_error, release_sends
 from afd_common.contract import StreamingFFNConnector
 from afd_common.errors import AFDProtocolError
 from afd_common.metadata import StepKind, WorkItem, WorkItemMeta

@@ -3,14 +3,14 @@
 Driven by the sync runner like the P2P connector: the control plane gives each stage's rows per
 attention rank, ``afd_ascend.a2e`` brings them (and says how many each source sent, checked
 against the plan), ``afd_ascend.e2a`` returns the results. World layout and mapping:
-``afd_common.cam_wire``.
+``afd_common.transport.cam``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from afd_common.cam_wire import CAMP2pHalf, op_error
+from afd_common.transport.cam import CAMP2pHalf, op_error
 from afd_common.errors import AFDProtocolError
 from afd_common.metadata import WorkItem, WorkItemMeta
 from afd_common.contract import ScheduledFFNConnector

@@ -6,7 +6,7 @@ import vllm.v1.worker.cpu_worker as cpu_worker_module
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from afd_common.patching import PatchSet
+from afd_common.vllm_glue.patching import PatchSet
 
 from afd_ffn.runner import AFDFFNRunnerMixin
 from afd_ffn.worker import AFDFFNWorkerMixin

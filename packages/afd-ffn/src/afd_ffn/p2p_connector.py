@@ -4,7 +4,7 @@ Driven by the sync runner: the control plane says how many rows each served atte
 stage, so every receive is posted with its exact size. With sharded experts that is an upper
 bound: each attention rank's row count for this layer comes first, and a count above the bound is
 refused before anything is allocated. Rank layout and the A:F mapping: ``afd_common.topology``;
-message layout and the order on a link: ``afd_common.p2p_wire``.
+message layout and the order on a link: ``afd_common.transport.p2p``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from afd_common.errors import AFDProtocolError
 from afd_common.metadata import WorkItem, WorkItemMeta
-from afd_common.p2p_wire import (PROTOCOL, count_tag, data_tag, empty_message, open_p2p_world,
+from afd_common.transport.p2p import (PROTOCOL, count_tag, data_tag, empty_message, open_p2p_world,
                                  unpack)
 from afd_common.contract import ScheduledFFNConnector
 

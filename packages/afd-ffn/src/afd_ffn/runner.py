@@ -11,9 +11,9 @@ import logging
 
 from afd_common import metrics
 from afd_common.config import afd_config_from_vllm
-from afd_common.models import check_router
-from afd_common.patches import moe_parallel, weight_census
-from afd_common.vllm_model import expert_placement, layer_index, model_shape, weight_summary
+from afd_common.vllm_glue.models import check_router
+from afd_common.vllm_glue.patches import moe_parallel, weight_census
+from afd_common.vllm_glue.model import expert_placement, layer_index, model_shape, weight_summary
 
 from afd_ffn.experts import LayerExperts
 from afd_ffn.patches import prune

@@ -7,8 +7,8 @@ a control plane, the async runner) and, when that world ends -- stopped, crashed
 refused at the handshake -- closes its connector and waits for the next one. The FFN role holds
 no per-request state, so whichever attention world completes the handshake next (same model
 fingerprint and token) is served from its first step. It ends only when stopped, or on a failure
-of its own (afd_common.lifecycle), or when ``connect_timeout_s`` is set and no attention role
-turned up within it.
+of its own (afd_common.vllm_glue.lifecycle), or when ``connect_timeout_s`` is set and no
+attention role turned up within it.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import time
 from afd_common.config import AFDConfig
 from afd_common.contract import ScheduledFFNConnector
 from afd_common.errors import AFDError, AFDTimeoutError
-from afd_common import lifecycle, role_status
+from afd_common.vllm_glue import lifecycle, role_status
 from afd_common.metadata import ModelShape
-from afd_common.model_thread import enter_model_thread
+from afd_common.vllm_glue.model_thread import enter_model_thread
 from afd_common.registry import resolve_connector
 
 from afd_ffn.async_runner import AsyncFFNRunner
@@ -74,8 +74,9 @@ class FFNService:
         self._publish()
 
     def _publish(self) -> None:
-        """What this rank's server's ``/health`` reads (afd_common.role_status). Under a lock:
-        the refresh thread's status, taken before a state change, must not land after it."""
+        """What this rank's server's ``/health`` reads (afd_common.vllm_glue.role_status). Under
+        a lock: the refresh thread's status, taken before a state change, must not land after
+        it."""
         with self._publishing:
             status = self.status()
             since = status.pop("seconds_since_last_step")

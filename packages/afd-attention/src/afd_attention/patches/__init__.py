@@ -1,8 +1,9 @@
-"""afd_attention's changes to vLLM. Each module builds one ``afd_common.patching.PatchSet``.
+"""afd_attention's changes to vLLM. Each module builds one ``PatchSet``
+(afd_common.vllm_glue.patching).
 
 ``on_vllm_config`` is this package's hook into the process that builds the vLLM config (its
-``RolePlugin``, afd_attention.role, called by ``afd_common.patches.vllm_config`` after it checked
-the platform): it installs the async-DP engine patch where async DP is on.
+``RolePlugin``, afd_attention.role, called by
+``afd_common.vllm_glue.patches.vllm_config`` after it checked the platform): it installs the async-DP engine patch where async DP is on.
 """
 
 from __future__ import annotations

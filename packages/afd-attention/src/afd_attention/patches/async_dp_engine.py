@@ -17,7 +17,7 @@ builds the config, only for the attention role with ``async_dp`` (and there only
 
 from __future__ import annotations
 
-from afd_common.patching import PatchSet
+from afd_common.vllm_glue.patching import PatchSet
 
 from vllm.v1.engine.core import EngineCoreProc
 

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from afd_common.patching import PatchSet
+from afd_common.vllm_glue.patching import PatchSet
 
 
 def build() -> PatchSet:

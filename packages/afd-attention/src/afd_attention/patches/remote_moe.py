@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-from afd_common.models import ARCHITECTURES, is_routed_expert
-from afd_common.patching import PatchSet
+from afd_common.vllm_glue.models import ARCHITECTURES, is_routed_expert
+from afd_common.vllm_glue.patching import PatchSet
 
 
 def build() -> PatchSet:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from afd_common.models import ARCHITECTURES
-from afd_common.patching import PatchSet
+from afd_common.vllm_glue.models import ARCHITECTURES
+from afd_common.vllm_glue.patching import PatchSet
 
 
 def build() -> PatchSet:

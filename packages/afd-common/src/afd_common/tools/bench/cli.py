@@ -1,0 +1,374 @@
+"""The ``afd-bench`` command line and the run of each configuration."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from afd_common.tools.bench import load, prom, report, stats
+from afd_common.tools.bench.environment import cpu_model, prepare_model, say, versions
+from afd_common.tools.bench.hosts import Hosts
+from afd_common.tools.bench.options import MAX_MODEL_LEN, parse_args
+from afd_common.tools.launch import Server, afd_args, free_port, wait_gone
+
+ATTENTION_HOST, FFN_HOST = 0, 1  # --hosts: the roles' namespaces
+UNLIMITED = "unlimited"  # --hosts: the namespaces' link without a cap
+
+
+def host_links(args) -> list[str]:
+    """--hosts: the links each AFD configuration is measured over, in order."""
+    return [UNLIMITED, *args.rates]
+
+
+def config_name(m: int, link: str | None = None) -> str:
+    """afd_mM on loopback, afd_mM@LINK across hosts."""
+    return f"afd_m{m}" if link is None else f"afd_m{m}@{link}"
+
+
+class Waiting:
+    """Progress while a server loads: one line rewritten in place on a terminal, else a line
+    every 15 s (``Server.wait_ready`` reports every 5 s)."""
+
+    def __init__(self):
+        self.tty, self.calls = sys.stderr.isatty(), 0
+
+    def __call__(self, msg: str) -> None:
+        self.calls += 1
+        if self.tty:
+            print(f"\r  .. {msg}\x1b[K", end="", file=sys.stderr, flush=True)
+        elif self.calls % 3 == 0:
+            say(msg)
+
+    def done(self, msg: str) -> None:
+        if self.tty and self.calls:
+            print("\r\x1b[K", end="", file=sys.stderr)
+        say(msg)
+
+
+@contextlib.contextmanager
+def pinned(cores: list[int] | None):
+    """Children started inside inherit this CPU affinity: the whole server (API process,
+    engine core, workers) stays on ``cores``, as with ``taskset``."""
+    if cores is None:
+        yield
+        return
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Ctrl-C / SIGTERM while servers are being stopped: finish stopping them, then raise."""
+    got = []
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum))
+           for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if got:
+            raise KeyboardInterrupt
+
+
+def stop_all(servers) -> None:
+    """SIGTERM every server, give them 30 s together, then kill whatever is left."""
+    with deferred_interrupts():
+        for server in servers:
+            server.signal()
+        wait_gone(servers, 30)
+        for server in servers:
+            server.stop(timeout_s=1)
+
+
+def _scrape(name: str, role: str, url: str) -> list[prom.Sample]:
+    """A role's /metrics; a failed scrape is a warning (its fields become null), not a crash."""
+    try:
+        return prom.parse(load.scrape(url))
+    except (OSError, ValueError) as e:
+        print(f"warning: {name}: could not read the {role} role's /metrics: {e}",
+              file=sys.stderr, flush=True)
+        return []
+
+
+class Bench:
+    def __init__(self, args, model: Path, tokenizer_vocab: int):
+        self.args, self.model = args, str(model)
+        self.started: list[Server] = []  # every server ever started, stopped again at the end
+        # The same KV cache everywhere, sized for the load rather than for a fraction of RAM:
+        # less to allocate at start-up, and room for other processes on a small machine.
+        self.server_args = ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
+        self.logs = args.out / "logs"
+        a, f = args.core_list
+        self.cores = {"colocated_t1": [a], "colocated_t2": [a, f], "attention": [a], "ffn": [f]}
+        self.warmup = load.make_prompts(args.concurrency, args.prompt_len, tokenizer_vocab,
+                                        seed=args.seed + 1000)
+        self.batches = [load.make_prompts(args.concurrency, args.prompt_len, tokenizer_vocab,
+                                          seed=args.seed + i) for i in range(args.repeats)]
+
+    def _start(self, server: Server, cores: list[int]) -> Server:
+        server.cores = ",".join(map(str, cores))
+        with pinned(cores if self.args.pin == "process" else None):
+            server.start()
+        self.started.append(server)
+        return server
+
+    def measure(self, name: str, url: str, metrics_urls: dict[str, str]) -> tuple[dict, dict]:
+        """Warm-up, scrape, measured batches, scrape. Returns (summary, scrapes)."""
+        a = self.args
+        load.run_batch(url, self.model, self.warmup, a.warmup_tokens, a.request_timeout,
+                       desc=f"{name} warm-up")
+        before = {role: _scrape(name, role, u) for role, u in metrics_urls.items()}
+        batches = [load.run_batch(url, self.model, prompts, a.output_len, a.request_timeout,
+                                  desc=f"{name} {i + 1}/{len(self.batches)}")
+                   for i, prompts in enumerate(self.batches)]
+        after = {role: _scrape(name, role, u) for role, u in metrics_urls.items()}
+        return stats.summarize(batches), {r: (before[r], after[r]) for r in metrics_urls}
+
+    def colocated(self, names: list[str]) -> dict[str, dict]:
+        """The colocated settings start together (two import chains on two cores take about
+        as long as one) and are measured one after the other, each once all are ready, so no
+        start-up runs beside a measurement. A failed setting does not stop the other."""
+        servers = {n: Server(n, self.model, free_port(), self.logs / f"{n}.log",
+                             args=self.server_args) for n in names}
+        t0 = time.monotonic()
+        results: dict[str, dict] = {}
+        try:
+            for name, server in servers.items():
+                self._start(server, self.cores[name])
+            waiting, startup = Waiting(), {}
+            for name, server in servers.items():
+                try:
+                    server.wait_ready(self.args.ready_timeout, progress=waiting)
+                    startup[name] = time.monotonic() - t0
+                except Exception as e:  # noqa: BLE001 - reported per setting
+                    results[name] = ConfigFailed(name, e, (server,))
+            waiting.done(", ".join(f"{n}: ready after {t:.0f} s" for n, t in startup.items()))
+            for name in startup:
+                server = servers[name]
+                try:
+                    summary, _ = self.measure(name, server.url, {})
+                    results[name] = {**summary, "startup_s": startup[name],
+                                     "cores": server.cores, "omp_threads": len(self.cores[name])}
+                except Exception as e:  # noqa: BLE001 - reported per setting
+                    results[name] = ConfigFailed(name, e, (server,))
+                stop_all([server])
+        finally:
+            stop_all(list(servers.values()))
+        return results
+
+    def afd(self, m: int, moe_layers: int, hosts: Hosts | None = None) -> dict[str, dict]:
+        """AFD with ``m`` micro-batches: on loopback (``afd_mM``), or with each role on a host
+        of ``hosts`` and one measurement per link rate (``afd_mM@RATE``, "unlimited" first)."""
+        a = self.args
+        name = f"afd_m{m}"
+        port = free_port()
+        extra = {"connector": a.connector, "compute_gate_on_attention": a.gate_on_attention,
+                 "num_ffn_ranks": a.ffn_ranks, "connector_extra_config": {"num_micro_batches": m}}
+        placement = ["--enable-expert-parallel"] if a.sharded else []
+        ffn_dp = ["--data-parallel-size", str(a.ffn_ranks)] if a.ffn_ranks > 1 else []
+        where: dict[str, dict] = {"attention": {}, "ffn": {}}
+        if hosts is not None:
+            name += "@hosts"
+            extra["host"] = hosts.address(FFN_HOST)
+            for role, i in (("attention", ATTENTION_HOST), ("ffn", FFN_HOST)):
+                where[role] = {"host": hosts.address(i), "wrap": hosts.wrap(i),
+                               "env": hosts.env(i, data_parallel=role == "ffn"
+                                                and a.ffn_ranks > 1)}
+        ffn = Server(f"{name}-ffn", self.model, free_port(), self.logs / f"{name}-ffn.log",
+                     args=self.server_args + afd_args("ffn", port, **extra) + ffn_dp + placement,
+                     **where["ffn"])
+        attention = Server(f"{name}-attention", self.model, free_port(),
+                           self.logs / f"{name}-attention.log",
+                           args=self.server_args + afd_args("attention", port, **extra)
+                           + placement, **where["attention"])
+        links = [None] if hosts is None else host_links(a)
+        out = {}
+        t0 = time.monotonic()
+        try:
+            self._start(ffn, self.cores["ffn"])
+            self._start(attention, self.cores["attention"])
+            waiting = Waiting()
+            attention.wait_ready(a.ready_timeout, progress=waiting, others=(ffn,))
+            ffn.wait_ready(a.ready_timeout, progress=waiting, others=(attention,))
+            startup = time.monotonic() - t0
+            waiting.done(f"{name}: both roles ready after {startup:.0f} s")
+            for link in links:
+                label = config_name(m, link)
+                if hosts is not None:
+                    hosts.cap(FFN_HOST, None if link == UNLIMITED else link)
+                summary, scrapes = self.measure(label, attention.url,
+                                                {"attention": attention.url, "ffn": ffn.url})
+                out[label] = self._afd_result(label, summary, scrapes, m, moe_layers, startup,
+                                              attention, ffn, link)
+        except Exception as e:
+            raise ConfigFailed(name, e, (attention, ffn)) from e
+        finally:
+            stop_all([attention, ffn])
+            if hosts is not None:
+                hosts.cap(FFN_HOST, None)
+        return out
+
+    @staticmethod
+    def _afd_result(name: str, summary: dict, scrapes: dict, m: int, moe_layers: int,
+                    startup: float, attention: Server, ffn: Server, link: str | None) -> dict:
+        breakdown, missing = stats.afd_breakdown(scrapes, m, moe_layers)
+        if missing:
+            print(f"warning: {name}: no data for {', '.join(missing)} on /metrics; "
+                  "those fields are null", file=sys.stderr, flush=True)
+        if breakdown["rows_per_ffn_rank"]:
+            print(f"{name}: rows per FFN rank {breakdown['rows_per_ffn_rank']}, imbalance "
+                  f"(max / mean) {breakdown['ffn_rank_imbalance']:.2f}", file=sys.stderr,
+                  flush=True)
+        return {**summary, **breakdown, "startup_s": startup, "num_micro_batches": m,
+                "cores": {"attention": attention.cores, "ffn": ffn.cores}, "omp_threads": 1,
+                "link": link or "loopback", "missing_metrics": missing}
+
+
+class ConfigFailed(Exception):
+    """A configuration that did not run: the cause, the server that says why, each log's tail."""
+
+    def __init__(self, name: str, cause: BaseException, servers):
+        reason = (str(cause).splitlines() or [""])[0]
+        hints = [line.strip() for s in servers for line in s.log_tail(60).splitlines()
+                 if "Error" in line or "error:" in line]
+        self.summary = f"{name} failed: {type(cause).__name__}: {reason}" + (
+            f" ({hints[-1][:300]})" if hints else "")
+        tails = "\n".join(f"--- {s.name} log ({s.log_path}), last lines:\n{s.log_tail(25)}"
+                          for s in servers)
+        super().__init__(f"{self.summary}\n{tails}")
+        self.name, self.cause = name, cause
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm)  # stop the servers as on Ctrl-C
+    started = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model, info = prepare_model(args)
+    moe_layers = stats.moe_layer_count(info["config"])
+    vocab = info.get("tokenizer_vocab_size") or info["config"]["vocab_size"]
+    bench = Bench(args, model, vocab)
+
+    plan = ([] if args.skip_colocated else ["colocated_t1, colocated_t2"]) + \
+        [f"afd_m{m}" for m in args.mb_list] + \
+        ([f"afd_m{m}@hosts" for m in args.mb_list] if args.rates else [])
+    hosts = None
+    results: dict[str, dict] = {}
+    errors: list[str] = []
+    interrupted = False
+    try:
+        for i, name in enumerate(plan, 1):
+            print(f"[{i}/{len(plan)}] {name}", file=sys.stderr, flush=True)
+            if name.startswith("colocated"):
+                outcomes = bench.colocated(name.split(", "))
+            else:
+                m, _, on_hosts = name[5:].partition("@")
+                if on_hosts and hosts is None:
+                    hosts = Hosts(2)
+                try:
+                    outcomes = bench.afd(int(m), moe_layers, hosts if on_hosts else None)
+                except ConfigFailed as e:
+                    outcomes = ({config_name(m, link): e for link in host_links(args)}
+                                if on_hosts else {name: e})
+            for config, outcome in outcomes.items():
+                if isinstance(outcome, ConfigFailed):
+                    if str(outcome) not in errors:
+                        errors.append(str(outcome))
+                        print(f"error: {outcome}", file=sys.stderr, flush=True)
+                    results[config] = report.empty_result("failed", error=outcome.summary)
+                else:
+                    results[config] = {"status": "ok", **outcome}
+    except KeyboardInterrupt:
+        print("interrupted: servers stopped, writing what was measured", file=sys.stderr)
+        interrupted = True
+    finally:
+        stop_all([s for s in bench.started if not s.exited() or s.pids()])
+        if hosts is not None:
+            hosts.close()
+
+    ordered = finish(results, args, info, moe_layers, model, time.monotonic() - started)
+    print(report.table(ordered))
+    print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'} "
+          f"({time.monotonic() - started:.0f} s in all)")
+    if interrupted:
+        return 130
+    if errors:
+        print(f"{len(errors)} configuration(s) failed; see the errors above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_s: float):
+    """Ratios, the ``colocated`` pick, then bench.json and bench.png; returns the ordered dict."""
+    colocated = {k: results.get(k, {}) for k in ("colocated_t1", "colocated_t2")}
+    best = stats.faster({k: v for k, v in colocated.items() if v.get("status") == "ok"})
+    base = best[1]["tokens_per_s"] if best else None
+    for result in results.values():
+        result["ratio_vs_colocated"] = stats.ratio(result.get("tokens_per_s"), base)
+    ordered = {"colocated": ({**best[1], "source": best[0]} if best
+                             else report.empty_result(source=None)),
+               "colocated_t1": results.get("colocated_t1", report.empty_result()),
+               "colocated_t2": results.get("colocated_t2", report.empty_result())}
+    for m in sorted({1, 2, 3, *args.mb_list}):
+        ordered[f"afd_m{m}"] = results.get(f"afd_m{m}", report.empty_result())
+    for m in args.mb_list if args.rates else ():
+        for link in host_links(args):
+            ordered[config_name(m, link)] = results.get(config_name(m, link),
+                                                        report.empty_result(link=link))
+    cfg = info["config"]
+    setup = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"arch": cfg.get("model_type"), "hidden_size": cfg.get("hidden_size"),
+                  "num_layers": cfg.get("num_hidden_layers"), "moe_layers": moe_layers,
+                  "num_experts": cfg.get("num_experts") or cfg.get("n_routed_experts"),
+                  "top_k": (info.get("shape") or {}).get("top_k", cfg.get("num_experts_per_tok")),
+                  "moe_intermediate_size": cfg.get("moe_intermediate_size"),
+                  "num_attention_heads": cfg.get("num_attention_heads"),
+                  "num_key_value_heads": cfg.get("num_key_value_heads"),
+                  "head_dim": cfg.get("head_dim"),
+                  "vocab_size": cfg.get("vocab_size"), "dtype": "float32",
+                  "num_parameters": info.get("num_parameters"),
+                  "generated": args.model is None},
+        "cores": {"colocated_t1": args.core_list[:1], "colocated_t2": args.core_list,
+                  "attention": args.core_list[:1], "ffn": args.core_list[1:], "pin": args.pin},
+        "load": {"concurrency": args.concurrency, "prompt_len": args.prompt_len,
+                 "output_len": args.output_len, "repeats": args.repeats,
+                 "warmup_tokens": args.warmup_tokens, "temperature": 0, "ignore_eos": True,
+                 "quick": args.quick},
+        "server": {"kv_cache_gib": args.kv_cache_gib, "dtype": "float32",
+                   "enforce_eager": True, "max_model_len": MAX_MODEL_LEN},
+        "afd": {"connector": args.connector, "compute_gate_on_attention": args.gate_on_attention,
+                "micro_batches": args.mb_list},
+        "hosts": ({"rates": host_links(args),
+                   "link": "each role in its own network namespace, veth pairs on one bridge; a "
+                           "rate caps the FFN host's link both ways (tc tbf)"}
+                  if args.rates else None),
+        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count()},
+        "versions": versions(),
+        "total_s": total_s,
+    }
+    report.write_json(args.out / "bench.json", setup, ordered)
+    m = setup["model"]
+    title = (f"{m['arch']} h{m['hidden_size']} L{m['num_layers']} E{m['num_experts']} "
+             f"top{m['top_k']}, {args.concurrency} req x {args.output_len} tok, "
+             f"cores {args.cores}" + ("; @RATE: roles on two hosts" if args.rates else ""))
+    report.write_chart(args.out / "bench.png", ordered, title)
+    return ordered
+
+
+if __name__ == "__main__":
+    sys.exit(main())

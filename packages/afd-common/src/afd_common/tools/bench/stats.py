@@ -1,0 +1,185 @@
+"""The numbers ``afd-bench`` reports, computed from request timings and metric scrapes.
+
+Definitions (the same for every configuration):
+
+* ``tokens_per_s``: output tokens of the measured batches / their wall time (first request sent
+  to last response complete, summed over the repeats).
+* ``tpot_*_ms``: time per output token of one request, ``(t_last - t_first) / (n - 1)`` over its
+  token arrival times; p50/p99 are taken **over requests**. ``itl_*_ms`` are the same
+  percentiles over every inter-token gap of every request (a chunk carrying k tokens counts as k
+  gaps of 1/k of its delay), which shows stalls that a per-request mean hides.
+* ``t_a_ms`` / ``t_e_ms`` / ``t_c_ms``: mean attention compute, FFN compute, and attention-side
+  wait per (MoE layer, micro-batch), from the roles' histograms over the measured batches.
+* ``eta = m * L * max(t_a, t_e) / t_step``: how much of an attention step the busier side's work
+  fills, with ``m`` micro-batches and ``L`` MoE layers (1.0 = the slower side never waits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from afd_common.tools.bench import prom
+
+
+@dataclass
+class RequestTiming:
+    """One streamed request: when it was sent, when each chunk of tokens arrived, when it ended."""
+    t_send: float
+    t_end: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in chunk)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.arrivals)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.arrivals[0][0] - self.t_send if self.arrivals else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = self.tokens
+        if n < 2:
+            return None
+        return (self.arrivals[-1][0] - self.arrivals[0][0]) / (n - 1)
+
+    def gaps_s(self) -> list[float]:
+        out = []
+        for (t0, _), (t1, n) in zip(self.arrivals, self.arrivals[1:]):
+            out += [(t1 - t0) / n] * n
+        return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between closest ranks; None for no values."""
+    vals = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not vals:
+        return None
+    pos = (len(vals) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1000.0
+
+
+def summarize(batches: list[tuple[float, list[RequestTiming]]]) -> dict:
+    """Throughput and latency of measured batches, each given as (wall seconds, requests)."""
+    requests = [r for _, batch in batches for r in batch]
+    wall = sum(w for w, _ in batches)
+    tokens = sum(r.tokens for r in requests)
+    tpots = [r.tpot_s for r in requests if r.tpot_s is not None]
+    gaps = [g for r in requests for g in r.gaps_s()]
+    ttfts = [r.ttft_s for r in requests if r.ttft_s is not None]
+    return {
+        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "tpot_p50_ms": _ms(percentile(tpots, 50)), "tpot_p99_ms": _ms(percentile(tpots, 99)),
+        "itl_p50_ms": _ms(percentile(gaps, 50)), "itl_p99_ms": _ms(percentile(gaps, 99)),
+        "ttft_p50_ms": _ms(percentile(ttfts, 50)),
+        "output_tokens": tokens, "requests": len(requests), "wall_s": wall,
+    }
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or not base:
+        return None
+    return value / base
+
+
+def faster(results: dict[str, dict]) -> tuple[str, dict] | None:
+    """The configuration with the most tokens/s (None if none has a number)."""
+    ranked = [(r["tokens_per_s"], name) for name, r in results.items()
+              if r and r.get("tokens_per_s") is not None]
+    if not ranked:
+        return None
+    name = max(ranked)[1]
+    return name, results[name]
+
+
+def eta(m: int, moe_layers: int, t_a_ms: float | None, t_e_ms: float | None,
+        t_step_ms: float | None) -> float | None:
+    if t_a_ms is None or t_e_ms is None or not t_step_ms:
+        return None
+    return m * moe_layers * max(t_a_ms, t_e_ms) / t_step_ms
+
+
+def moe_layer_count(config: dict) -> int:
+    """MoE layers of a Hugging Face config (Qwen3-MoE or DeepSeek-V2/V3)."""
+    layers = int(config["num_hidden_layers"])
+    if config.get("model_type") == "qwen3_moe":
+        if not config.get("num_experts"):
+            return 0
+        dense = set(config.get("mlp_only_layers") or [])
+        step = int(config.get("decoder_sparse_step") or 1)
+        return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    if config.get("n_routed_experts"):
+        first = int(config.get("first_k_dense_replace") or 0)
+        freq = int(config.get("moe_layer_freq") or 1)
+        return sum(1 for i in range(layers) if i >= first and i % freq == 0)
+    raise ValueError(f"cannot tell the MoE layers of model_type {config.get('model_type')!r}")
+
+
+# (field, histogram, role): each field is the histogram's mean observation in ms.
+AFD_FIELDS = [
+    ("t_a_ms", "afd_attention_compute_seconds", "attention"),
+    ("t_c_ms", "afd_wait_seconds", "attention"),
+    ("roundtrip_ms", "afd_layer_roundtrip_seconds", "attention"),
+    ("t_step_ms", "afd_step_seconds", "attention"),
+    ("t_e_ms", "afd_ffn_compute_seconds", "ffn"),
+    ("ffn_wait_ms", "afd_wait_seconds", "ffn"),
+]
+AFD_KEYS = [f for f, _, _ in AFD_FIELDS] + ["bytes_per_step", "bytes_sent_per_step",
+                                            "bytes_received_per_step", "steps", "eta"]
+
+
+def afd_breakdown(scrapes: dict[str, tuple[list, list]], m: int,
+                  moe_layers: int) -> tuple[dict, list[str]]:
+    """Per-layer breakdown from (before, after) scrapes of each role's /metrics.
+
+    Returns the fields and the names of the metrics that were missing (their fields are None).
+    """
+    out: dict = {}
+    missing = []
+    for key, metric, role in AFD_FIELDS:
+        before, after = scrapes.get(role, ([], []))
+        out[key] = prom.mean_ms(before, after, metric, role=role)
+        if out[key] is None:
+            missing.append(f"{metric}{{role={role}}}")
+    before, after = scrapes.get("attention", ([], []))
+    steps = prom.delta(before, after, "afd_step_seconds_count", role="attention")
+    out["steps"] = steps
+    # Per step: where the attention role's step time went, and how busy the FFN role was.
+    calls = prom.delta(before, after, "afd_layer_roundtrip_seconds_count", role="attention")
+    items = prom.delta(*scrapes.get("ffn", ([], [])), "afd_ffn_compute_seconds_count", role="ffn")
+    for key, mean, count in (("attention_compute_ms_per_step", "t_a_ms", calls),
+                             ("attention_wait_ms_per_step", "t_c_ms", calls),
+                             ("ffn_compute_ms_per_step", "t_e_ms", items)):
+        out[key] = (out[mean] * count / steps if out[mean] is not None and count and steps
+                    else None)
+    for direction in ("sent", "received"):
+        moved = prom.delta(before, after, "afd_bytes_total", role="attention",
+                           direction=direction)
+        if moved is None:
+            missing.append(f"afd_bytes_total{{role=attention,direction={direction}}}")
+        out[f"bytes_{direction}_per_step"] = moved / steps if moved is not None and steps else None
+    sent, received = out["bytes_sent_per_step"], out["bytes_received_per_step"]
+    out["bytes_per_step"] = None if sent is None or received is None else sent + received
+    out["eta"] = eta(m, moe_layers, out["t_a_ms"], out["t_e_ms"], out["t_step_ms"])
+    out["rows_per_ffn_rank"], out["ffn_rank_imbalance"] = ffn_rank_load(*scrapes.get("ffn",
+                                                                                     ([], [])))
+    return out, missing
+
+
+def ffn_rank_load(before: list, after: list) -> tuple[list[int], float | None]:
+    """Rows each FFN rank received in the window (``afd_routed_rows_total``), and the imbalance
+    max / mean over the ranks (1.0: perfectly even); ([], None) without the series."""
+    ranks = sorted({int(s.labels["ffn_rank"]) for s in after
+                    if s.name == "afd_routed_rows_total" and "ffn_rank" in s.labels})
+    rows = [int(prom.delta(before, after, "afd_routed_rows_total", role="ffn",
+                           ffn_rank=str(f)) or 0) for f in ranks]
+    if not rows or not sum(rows):
+        return rows, None
+    return rows, max(rows) / (sum(rows) / len(rows))

@@ -1,0 +1,69 @@
+"""The Gloo control plane of the sync connectors (P2P, CAMP2p): one STEP frame per step per link.
+
+It always runs on a small Gloo group, also when the data moves over NCCL or HCCL, so step
+metadata never waits behind device streams.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afd_common.transport.codec import (STEP_FRAME_BYTES, decode_step, encode_step, from_tensor,
+                                        to_tensor)
+from afd_common.contract import ControlPlane, StepPlan
+from afd_common.errors import AFDPeerError, AFDProtocolError
+from afd_common.metadata import StepMetadata
+from afd_common.topology import Topology
+from afd_common.transport.process_groups import PeerIO
+
+CONTROL_TAG = 0x7FFF
+
+
+class GlooControlPlane(ControlPlane):
+    """``peers``: global rank -> local rank of each rank across this rank's links, in link
+    order. ``StepPlan.per_source`` is keyed by the attention ranks' local ranks."""
+
+    def __init__(self, io: PeerIO, peers: dict[int, int], role: str, send_timeout_s: float):
+        self.io = io
+        self.peers = peers
+        self.role = role
+        self._send_timeout_s = send_timeout_s
+
+    def send_step(self, meta: StepMetadata) -> None:
+        # The previous step's frames are long taken by now (the FFN side answered that step), so
+        # settling them costs nothing and bounds the memory held by in-flight sends.
+        self.io.flush(self._send_timeout_s)
+        frame = to_tensor(encode_step(meta), STEP_FRAME_BYTES)
+        for peer in self.peers:
+            self.io.isend(frame, peer, CONTROL_TAG)
+
+    def recv_step(self, timeout_s: float | None) -> StepPlan:
+        bufs = {p: self.io.irecv(torch.empty(STEP_FRAME_BYTES, dtype=torch.uint8), p,
+                                 CONTROL_TAG, "the next step's metadata") for p in self.peers}
+        per_source: dict[int, StepMetadata] = {}
+        for peer, pending in bufs.items():
+            raw = from_tensor(self.io.wait(pending, timeout_s))
+            try:
+                per_source[self.peers[peer]] = decode_step(raw)
+            except AFDProtocolError as e:
+                raise AFDPeerError(f"malformed step metadata from global rank {peer}: {e}") from None
+        (a0, first), *rest = per_source.items()
+        for a, meta in rest:
+            if (meta.step, meta.kind, meta.num_stages) != (first.step, first.kind,
+                                                           first.num_stages):
+                raise AFDProtocolError(
+                    f"attention ranks out of step: attention rank {a0} announced step "
+                    f"{first.step} ({first.kind.name}, {first.num_stages} stages), attention "
+                    f"rank {a} step {meta.step} ({meta.kind.name}, {meta.num_stages} stages)")
+        return StepPlan(step=first.step, per_source=per_source)
+
+
+def link_peers(topology: Topology, role: str, local_rank: int,
+               global_rank_of=None) -> dict[int, int]:
+    """Global rank -> local rank of the ranks across this rank's links, in link order."""
+    global_rank_of = global_rank_of or topology.global_rank
+    if role == "attention":
+        return {global_rank_of("ffn", link.ffn_rank): link.ffn_rank
+                for link in topology.links_of_attention(local_rank)}
+    return {global_rank_of("attention", link.attention_rank): link.attention_rank
+            for link in topology.links_of_ffn(local_rank)}

@@ -1,0 +1,112 @@
+"""What the two halves of the P2P connector agree on: world layout, message layout, tags.
+
+One message per direction per (layer, stage, link). Attention -> FFN carries the hidden rows and,
+when the gate runs on attention, the routing in the same message::
+
+    gate on FFN:        hidden [rows, H] (model dtype), sent as is (no copy)
+    gate on attention:  uint8 [ topk_ids int32 [rows, k] | topk_weights f32 [rows, k] | hidden ]
+
+Routing goes first so every part starts 4-byte aligned and is viewed in place on receipt. FFN ->
+attention carries the result rows [rows, H] in the model dtype. The Gloo tag encodes
+(layer, stage): a desynchronised peer times out with a message naming both, instead of feeding
+one layer's rows to another.
+
+With sharded experts how many of an attention rank's rows reach an FFN rank depends on the
+layer's routing, and a receive must be posted with its size (NCCL, HCCL): a row count (int64
+[1], ``count_tag``) precedes the rows on every attention -> FFN link, also when it is 0. The FFN
+side checks it against the step's announced tokens before allocating anything.
+
+The order of operations on one link (one attention rank, one FFN rank), per (layer, stage), the
+same on every backend and safe where point-to-point operations match in posting order, tags
+ignored (NCCL, HCCL)::
+
+    attention:  send [count]  send rows (if any)  recv result (if any rows)
+    FFN:        recv [count]  recv rows (if any)  send result (if any rows)
+
+Neither side posts a receive before the sends that its peer's matching receive follows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afd_common.transport import inorder
+from afd_common.transport.control_plane import GlooControlPlane, link_peers
+from afd_common.metadata import MAX_STAGES
+from afd_common.transport.sync_links import SyncLinks
+from afd_common.transport.process_groups import PeerIO, default_backend
+from afd_common.transport.world import open_world
+
+
+PROTOCOL = "p2p/1"
+
+
+def data_tag(layer_idx: int, stage: int) -> int:
+    return layer_idx * MAX_STAGES + stage
+
+
+COUNT_TAG_BASE = 1 << 20
+
+
+def count_tag(layer_idx: int, stage: int) -> int:
+    return COUNT_TAG_BASE + data_tag(layer_idx, stage)
+
+
+def routing_nbytes(rows: int, top_k: int) -> int:
+    return rows * top_k * 8
+
+
+def pack(hidden: torch.Tensor, topk_ids: torch.Tensor | None,
+         topk_weights: torch.Tensor | None) -> torch.Tensor:
+    if topk_ids is None:
+        return hidden.contiguous()
+    parts = [topk_ids.to(torch.int32).contiguous().view(torch.uint8).flatten(),
+             topk_weights.to(torch.float32).contiguous().view(torch.uint8).flatten(),
+             hidden.contiguous().view(torch.uint8).flatten()]
+    return torch.cat(parts)
+
+
+def empty_message(rows: int, hidden_size: int, dtype: torch.dtype, top_k: int,
+                  with_routing: bool, device: torch.device) -> torch.Tensor:
+    if not with_routing:
+        return torch.empty(rows, hidden_size, dtype=dtype, device=device)
+    nbytes = routing_nbytes(rows, top_k) + rows * hidden_size * dtype.itemsize
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def unpack(buf: torch.Tensor, rows: int, hidden_size: int, dtype: torch.dtype, top_k: int,
+           with_routing: bool):
+    """(hidden, topk_ids, topk_weights) viewed in place from a received message."""
+    if not with_routing:
+        return buf, None, None
+    n = rows * top_k * 4
+    ids = buf[:n].view(torch.int32).view(rows, top_k)
+    weights = buf[n:2 * n].view(torch.float32).view(rows, top_k)
+    hidden = buf[2 * n:].view(dtype).view(rows, hidden_size)
+    return hidden, ids, weights
+
+
+def open_p2p_world(connector, backend: str | None = None) -> SyncLinks:
+    """Rendezvous, handshake and groups for either half of the P2P connector; ``backend``
+    "loopback" for the loopback connector (afd_common.transport.loopback), else the configured
+    one."""
+    cfg, topo = connector.config, connector.topology
+    backend = backend or cfg.extra.backend or default_backend(connector.device)
+    world = open_world(connector)
+    try:
+        in_order = inorder.enabled()
+        data_group = world.group("data", backend)
+        # The control plane keeps tagged matching: its own host group (Gloo; loopback's own)
+        # under NCCL and in the in-order test mode, which stands for NCCL; otherwise it shares
+        # the data group.
+        host = "loopback" if backend == "loopback" else "gloo"
+        ctrl_group = (data_group if backend == host and not in_order
+                      else world.group("control", host))
+        data = PeerIO(data_group, world.describe, in_order=in_order)
+        ctrl_io = data if ctrl_group is data_group else PeerIO(ctrl_group, world.describe)
+        control = GlooControlPlane(ctrl_io, link_peers(topo, cfg.role, connector.local_rank),
+                                   cfg.role, connector.timeouts.step_s)
+    except BaseException:
+        world.close()
+        raise
+    return SyncLinks(world, control, data)
