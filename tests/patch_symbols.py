@@ -12,13 +12,13 @@ from afd_common.vllm_glue.patching import PatchSet
 def builders() -> dict:
     """Every patch set afd ships, by name (built, not installed)."""
     importlib.import_module("vllm.entrypoints.launchers.app")  # as in the API server process
-    from afd_attention.patches import async_dp_engine, async_dp_forward_context, remote_moe
+    from afd_attention.patches import async_dp_engine, async_dp_forward_context, moe_swap
     from afd_common.vllm_glue.patches import api_server, moe_parallel, vllm_config, weight_census
     from afd_ffn.patches import prune
     return {"vllm_config": vllm_config.build, "api_server": api_server.build,
             "moe_parallel": moe_parallel.build,
             "weight_census": lambda: weight_census.build({}),
-            "attention_remote_moe": remote_moe.build, "ffn_prune": prune.build,
+            "attention_remote_moe": moe_swap.build, "ffn_prune": prune.build,
             "async_dp_engine": async_dp_engine.build,
             "async_dp_forward_context": async_dp_forward_context.build}
 

@@ -295,7 +295,7 @@ def test_an_interrupted_dummy_batch_runs_only_its_model_call_again(failures):
     collective the ranks running real steps make once per step), then calls the model: only the
     model call may run again, or this rank waits in a collective nobody else joins (the e2e
     CAMP2p 2A2F restart under load hung so)."""
-    from afd_attention.runner import AFDAttentionRunnerMixin
+    from afd_attention.model_runner import AFDAttentionRunnerMixin
 
     class VLLMRunner:  # what the mixin wraps
         def __init__(self, model):

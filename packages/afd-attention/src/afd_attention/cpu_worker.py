@@ -9,7 +9,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from afd_common.metrics import MetricsWorkerMixin
 from afd_common.vllm_glue.patching import PatchSet
 
-from afd_attention.runner import AFDAttentionRunnerMixin, AFDAttentionWorkerMixin
+from afd_attention.model_runner import AFDAttentionRunnerMixin, AFDAttentionWorkerMixin
 
 
 class AFDAttentionCPUModelRunner(AFDAttentionRunnerMixin, CPUModelRunner):

@@ -11,7 +11,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from afd_common.metrics import MetricsWorkerMixin
 
-from afd_attention.runner import AFDAttentionRunnerMixin, AFDAttentionWorkerMixin
+from afd_attention.model_runner import AFDAttentionRunnerMixin, AFDAttentionWorkerMixin
 
 
 class AFDAttentionGPUModelRunner(AFDAttentionRunnerMixin, GPUModelRunner):

@@ -12,10 +12,10 @@ Attention half (``AttentionConnector``), called by the attention model wrapper, 
         recv_ffn_output(pending) -> Tensor                     # waits, bounded
     end_step()
 
-FFN half: one of two protocols, and the FFN runner is chosen by which (``afd_ffn.service``):
+FFN half: one of two protocols, and the FFN serving loop is chosen by which (``afd_ffn.service``):
 
 * ``ScheduledFFNConnector`` (P2P, CAMP2p: a control plane announces each step), driven by the
-  sync runner::
+  scheduled loop (``afd_ffn.scheduled_loop``)::
 
       plan = recv_step()                 # blocks until the attention side starts a step
       for each MoE layer, for each stage s:
@@ -24,7 +24,7 @@ FFN half: one of two protocols, and the FFN runner is chosen by which (``afd_ffn
       end_step()
 
 * ``StreamingFFNConnector`` (CAMAsync: no control plane; the receive is the clock), driven by
-  the async runner::
+  the streaming loop (``afd_ffn.streaming_loop``)::
 
       while True:
           item = recv_next(stage_idx, max_num_tokens)   # item.layer_idx off the wire
@@ -468,7 +468,7 @@ class StreamingFFNConnector(AFDConnector):
         self.timeouts.step_done()
 
 
-#: Either FFN protocol: what the FFN runners and the service take.
+#: Either FFN protocol: what the FFN serving loops and the service take.
 FFNConnector = ScheduledFFNConnector | StreamingFFNConnector
 
 

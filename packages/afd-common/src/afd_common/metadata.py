@@ -54,7 +54,7 @@ class WorkItemMeta:
     """Metadata of one batch of rows the FFN side must run through one layer's experts.
 
     ``sources`` are ``(attention_rank, rows)`` in the order the rows are concatenated; the result
-    is split back the same way. ``layer_idx`` comes from the FFN runner's schedule (sync
+    is split back the same way. ``layer_idx`` comes from the FFN serving loop's schedule (sync
     connectors) or off the wire (async connectors, where the receive loop is the clock).
     """
 

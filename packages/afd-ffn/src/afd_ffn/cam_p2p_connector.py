@@ -1,6 +1,6 @@
 """FFN half of ``CAMP2pAFDConnector`` (Ascend, sync).
 
-Driven by the sync runner like the P2P connector: the control plane gives each stage's rows per
+Driven by the scheduled loop like the P2P connector: the control plane gives each stage's rows per
 attention rank, ``afd_ascend.a2e`` brings them (and says how many each source sent, checked
 against the plan), ``afd_ascend.e2a`` returns the results. World layout and mapping:
 ``afd_common.transport.cam``.

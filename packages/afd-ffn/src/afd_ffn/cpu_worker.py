@@ -8,7 +8,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from afd_common.vllm_glue.patching import PatchSet
 
-from afd_ffn.runner import AFDFFNRunnerMixin
+from afd_ffn.model_runner import AFDFFNRunnerMixin
 from afd_ffn.worker import AFDFFNWorkerMixin
 
 

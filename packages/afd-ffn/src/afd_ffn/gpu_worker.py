@@ -9,7 +9,7 @@ from __future__ import annotations
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from afd_ffn.runner import AFDFFNRunnerMixin
+from afd_ffn.model_runner import AFDFFNRunnerMixin
 from afd_ffn.worker import AFDFFNWorkerMixin
 
 

@@ -1,6 +1,6 @@
 """FFN half of ``P2pAFDConnector`` (alias ``P2pNcclAFDConnector``).
 
-Driven by the sync runner: the control plane says how many rows each served attention rank has per
+Driven by the scheduled loop: the control plane says how many rows each served attention rank has per
 stage, so every receive is posted with its exact size. With sharded experts that is an upper
 bound: each attention rank's row count for this layer comes first, and a count above the bound is
 refused before anything is allocated. Rank layout and the A:F mapping: ``afd_common.topology``;

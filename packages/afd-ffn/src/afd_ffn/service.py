@@ -2,8 +2,8 @@
 attention roles.
 
 vLLM's worker keeps answering its engine's calls (start-up, status) on its main thread while this
-thread waits for an attention world, serves it with the sync runner (or, for connectors without
-a control plane, the async runner) and, when that world ends -- stopped, crashed, restarted, or
+thread waits for an attention world, serves it with the scheduled loop (or, for connectors without
+a control plane, the streaming loop) and, when that world ends -- stopped, crashed, restarted, or
 refused at the handshake -- closes its connector and waits for the next one. The FFN role holds
 no per-request state, so whichever attention world completes the handshake next (same model
 fingerprint and token) is served from its first step. It ends only when stopped, or on a failure
@@ -26,8 +26,8 @@ from afd_common.metadata import ModelShape
 from afd_common.vllm_glue.model_thread import enter_model_thread
 from afd_common.registry import resolve_connector
 
-from afd_ffn.async_runner import AsyncFFNRunner
-from afd_ffn.sync_runner import SyncFFNRunner
+from afd_ffn.streaming_loop import StreamingLoop
+from afd_ffn.scheduled_loop import ScheduledLoop
 
 logger = logging.getLogger("vllm.afd")
 
@@ -52,7 +52,7 @@ class FFNService:
         self._state = "starting"
         self.error: str | None = None  # why the last attention world ended, if not by a stop
         self.worlds = 0
-        self.runner: SyncFFNRunner | AsyncFFNRunner | None = None
+        self.loop: ScheduledLoop | StreamingLoop | None = None
         self._steps_before = 0  # served in earlier worlds
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -125,10 +125,10 @@ class FFNService:
             self.worlds += 1
             logger.info("AFD FFN rank %d: connected; serving %d MoE layers (attention world "
                         "%d)", self.rank, len(self.shape.moe_layers), self.worlds)
-            runner_cls = (SyncFFNRunner if isinstance(connector, ScheduledFFNConnector)
-                          else AsyncFFNRunner)
-            self.runner = runner_cls(connector, self.compute)
-            steps = self.runner.run(self._stop.is_set)
+            loop_cls = (ScheduledLoop if isinstance(connector, ScheduledFFNConnector)
+                          else StreamingLoop)
+            self.loop = loop_cls(connector, self.compute)
+            steps = self.loop.run(self._stop.is_set)
             self.error = None
             if not self._stop.is_set():
                 logger.info("AFD FFN rank %d: the attention role stopped after %d steps; "
@@ -153,9 +153,9 @@ class FFNService:
             self._stop.wait(NEXT_WORLD_PAUSE_S)
         finally:
             with self._lock:
-                if self.runner is not None:
-                    self._steps_before += self.runner.steps_done
-                    self.runner = None
+                if self.loop is not None:
+                    self._steps_before += self.loop.steps_done
+                    self.loop = None
                 self.connector = None
             connector.close()
             # The closed world's store and groups may sit in reference cycles: free them now,
@@ -163,13 +163,13 @@ class FFNService:
             gc.collect()
 
     def status(self) -> dict:
-        runner = self.runner
+        loop = self.loop
         return {"rank": self.rank, "state": self._state,
                 "healthy": self._state in ("starting", "waiting", "serving"),
-                "steps": self._steps_before + (runner.steps_done if runner else 0),
+                "steps": self._steps_before + (loop.steps_done if loop else 0),
                 "attention_worlds": self.worlds,
-                "seconds_since_last_step": (round(time.monotonic() - runner.last_step_at, 3)
-                                            if runner and runner.last_step_at else None),
+                "seconds_since_last_step": (round(time.monotonic() - loop.last_step_at, 3)
+                                            if loop and loop.last_step_at else None),
                 "error": self.error}
 
     def stop(self) -> None:

@@ -1,4 +1,4 @@
-"""What both FFN runners share: serve until told to stop, and count what was served for
+"""What both FFN serving loops share: serve until told to stop, and count what was served for
 ``/health``."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from afd_common.metrics import MetricsWorkerMixin
 
-from afd_ffn.runner import AFDFFNRunnerMixin
+from afd_ffn.model_runner import AFDFFNRunnerMixin
 
 
 class AFDFFNWorkerMixin(MetricsWorkerMixin):

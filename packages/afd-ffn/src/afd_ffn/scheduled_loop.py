@@ -1,4 +1,4 @@
-"""The FFN sync runner: the control plane's step message drives it.
+"""The FFN serving loop of a ``ScheduledFFNConnector``: the control plane's step message drives it.
 
 Per step: wait for the step metadata, then for each MoE layer and each micro-batch stage, receive
 the rows, run the experts, send the result. Stages are served in order, so the attention side can
@@ -17,12 +17,12 @@ from afd_ffn.serving_loop import ComputeFn, ServingLoop
 logger = logging.getLogger("vllm.afd")
 
 
-class SyncFFNRunner(ServingLoop):
+class ScheduledLoop(ServingLoop):
     def __init__(self, connector: ScheduledFFNConnector, compute: ComputeFn,
                  moe_layers: tuple[int, ...] | None = None):
         if not isinstance(connector, ScheduledFFNConnector):
             raise ValueError(f"{type(connector).__name__} streams its work items: use the "
-                             "async runner")
+                             "streaming loop")
         super().__init__(connector, compute)
         self.moe_layers = tuple(moe_layers if moe_layers is not None
                                 else connector.shape.moe_layers)

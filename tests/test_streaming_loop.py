@@ -1,4 +1,4 @@
-"""The FFN async runner: the receive loop is the clock -- each item's own layer is computed,
+"""The FFN streaming loop: the receive is the clock -- each item's own layer is computed,
 zero-row items are acknowledged without computing, and a stop item ends the loop."""
 
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ from afd_common import metrics
 
 from afd_common.contract import StreamingFFNConnector
 from afd_common.metadata import StepKind, WorkItem, WorkItemMeta
-from afd_ffn.async_runner import AsyncFFNRunner
+from afd_ffn.streaming_loop import StreamingLoop
 
 
 class FakeAsyncFFN:
@@ -54,7 +54,7 @@ def test_items_name_their_layer_and_stop_ends_the_loop():
         computed.append(it.layer_idx)
         return it.hidden_states * 10
 
-    served = AsyncFFNRunner(conn, compute).run()
+    served = StreamingLoop(conn, compute).run()
     assert served == 3 and conn.ends == 3
     assert computed == [5, 3]  # the zero-row item is acknowledged without computing
     assert [(layer, out[0, 0].item()) for layer, out in conn.sent] == [(5, 50.0), (3, 30.0)]
@@ -70,5 +70,5 @@ def test_items_name_their_layer_and_stop_ends_the_loop():
 def test_refuses_a_scheduled_connector():
     class Scheduled:  # not a StreamingFFNConnector
         local_rank = 0
-    with pytest.raises(ValueError, match="sync runner"):
-        AsyncFFNRunner(Scheduled(), lambda it: it.hidden_states)
+    with pytest.raises(ValueError, match="scheduled loop"):
+        StreamingLoop(Scheduled(), lambda it: it.hidden_states)

@@ -26,7 +26,7 @@ from afd_common.vllm_glue.model import expert_placement, layer_index, model_shap
 
 from afd_attention.micro_batches import MicroBatchPipeline, split_on_requests
 from afd_attention.patches import async_dp_enabled, async_dp_forward_context
-from afd_attention.patches import remote_moe as remote_moe_patch
+from afd_attention.patches import moe_swap
 from afd_attention.session import AttentionSession
 
 logger = logging.getLogger("vllm.afd")
@@ -41,7 +41,7 @@ class AFDAttentionRunnerMixin:
 
     def load_model(self, *args, **kwargs):
         held: dict = {}
-        with remote_moe_patch.build().applied(), moe_parallel.build().applied(), \
+        with moe_swap.build().applied(), moe_parallel.build().applied(), \
                 weight_census.build(held).applied():
             super().load_model(*args, **kwargs)
         logger.info("AFD weights: %s", json.dumps({

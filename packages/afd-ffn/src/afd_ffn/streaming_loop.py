@@ -1,4 +1,4 @@
-"""The FFN async runner: the receive loop is the clock (connectors without a control plane).
+"""The FFN serving loop of a ``StreamingFFNConnector``: the receive is the clock.
 
 Each work item names its own layer (read off the wire), so the loop needs no step schedule: it
 runs whatever arrives -- any attention DP group, any layer -- and returns it. Zero-row items are
@@ -16,13 +16,13 @@ from afd_ffn.serving_loop import ComputeFn, ServingLoop
 logger = logging.getLogger("vllm.afd")
 
 
-class AsyncFFNRunner(ServingLoop):
-    """``steps_done`` counts work items: the unit ``/health`` reports for this runner."""
+class StreamingLoop(ServingLoop):
+    """``steps_done`` counts work items: the unit ``/health`` reports for this loop."""
 
     def __init__(self, connector: StreamingFFNConnector, compute: ComputeFn, stage: int = 0):
         if not isinstance(connector, StreamingFFNConnector):
             raise ValueError(f"{type(connector).__name__} is scheduled by a control plane: use "
-                             "the sync runner")
+                             "the scheduled loop")
         super().__init__(connector, compute)
         self.stage = stage
 
