@@ -191,6 +191,7 @@ class OpsLinks:
         self.name = f"afd-camasync-{cfg.port}-{cfg.role}{connector.local_rank}"
         try:
             group = self.world.group("data", backend)
+            # Held: c10d's registry holds groups weakly.
             self._pg = register_named_group(group, self.world.rendezvous.store, self.world.rank,
                                             self.world.world_size, self.name, connector.device)
             self.io = PeerIO(group if backend == "gloo" else self.world.group("watch", "gloo"),

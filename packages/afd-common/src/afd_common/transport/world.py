@@ -78,7 +78,6 @@ class AFDWorld:
         forwards (None: nothing to line up)."""
         self.config = config
         self.world_size = world_size
-        self._global_rank_of = global_rank_of
         self.rank = global_rank_of(config.role, local_rank)
         self.timeout_s = timeout_s
         self.connect_timeout_s = config.extra.connect_timeout_s
@@ -192,8 +191,8 @@ class AFDWorld:
     def _line_up(self, theirs: dict[int, Any]) -> int:
         """How many forwards this rank finished beyond the attention rank furthest behind. A
         peer's count is checked, never trusted: lock-step ranks are at most one forward apart."""
-        counts = {self.rank: self.steps_done}
-        for r, n in theirs.items():
+        counts = {}
+        for r, n in sorted({**theirs, self.rank: self.steps_done}.items()):
             if type(n) is not int or n < 0:
                 raise AFDHandshakeError(f"{self.what}: {self.describe(r)} sent steps_done {n!r}: "
                                         "expected the count of its finished forwards (>= 0)")

@@ -39,10 +39,6 @@ class Architecture:
     # builds a weightless remote one in its place.
     routed_experts: str | None = None
 
-    @property
-    def gate_sides(self) -> tuple[str, ...]:
-        return ("attention", "ffn") if self.router_in_moe_layer else ("attention",)
-
 
 _DEEPSEEK = "vllm.model_executor.models.deepseek_v2"
 _DEEPSEEK_ATTENTION_ONLY = ("DeepseekAttention", "DeepseekV2Attention", "DeepseekV2MLAAttention",

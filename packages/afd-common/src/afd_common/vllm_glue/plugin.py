@@ -27,11 +27,3 @@ def register() -> None:
         if patch is not None:
             patch.install()
             _installed.append(patch)
-
-
-def unregister() -> None:
-    from afd_common import redaction
-
-    while _installed:
-        _installed.pop().uninstall()
-    redaction.uninstall()
