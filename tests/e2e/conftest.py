@@ -305,11 +305,12 @@ def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = N
              num_attention_ranks: int = 1, num_ffn_ranks: int = 1,
              vllm_args: tuple[str, ...] = (), env: dict | None = None,
              attention_args: tuple[str, ...] = (), hosts: Hosts | None = None,
-             first: str | None = None, **afd):
+             first: str | None = None, apart_s: float = 0.0, **afd):
     """Start an FFN and an attention `vllm serve`, wait until both are ready; afterwards stop
     whatever the test left running. With ``first`` ("attention" or "ffn") that role starts
-    alone and must get ready alone; the other starts once it is (``pair.apart_s`` says how long
-    the first then waited for the other). ``vllm_args`` and ``env`` go to both roles (e.g.
+    alone and must get ready alone; the other starts once it is, and no sooner than ``apart_s``
+    after the first started (``pair.apart_s`` says how long the first then waited for the
+    other). ``vllm_args`` and ``env`` go to both roles (e.g.
     ``--enable-expert-parallel``, ``AFD_TEST_INORDER``), ``attention_args`` to the attention role
     (e.g. ``--speculative-config``). With ``hosts`` every rank runs on a host of its own: the
     attention ranks on hosts 0.., the FFN ranks after them."""
@@ -337,6 +338,7 @@ def afd_pair(name: str, logs: Path, attn_model: Path, ffn_model: Path | None = N
             early[0].wait_ready(progress=say, others=tuple(early[1:]))
             ready_alone = time.monotonic()
             say(f"{name}: the {first} role is ready alone after {ready_alone - start:.0f} s")
+            time.sleep(max(0.0, start + apart_s - time.monotonic()))
             for server in late:
                 server.start()
         else:

@@ -55,8 +55,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 # A role started alone waits this long for its first step; the other's start-up outlasts it.
 FIRST_STEP_TIMEOUT_S = 15
+# The other role starts this long after the one started alone (once that one is ready).
+ROLES_APART_S = 60
 # A new FFN role starts this long after the last one was lost (the attention role waits).
-RESTART_AFTER_S = 5
+RESTART_AFTER_S = 10
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class Case:
             # Waiting for the other role is not bounded by the first step's timeout (the old
             # rule): the other's start-up alone outlasts it (checked).
             extra["first"], cec["first_step_timeout_s"] = self.first, FIRST_STEP_TIMEOUT_S
+            extra["apart_s"] = ROLES_APART_S
         if cec:
             extra["connector_extra_config"] = cec
         return dict(num_attention_ranks=self.A, num_ffn_ranks=self.F, connector=self.connector,
