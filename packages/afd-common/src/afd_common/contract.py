@@ -129,6 +129,10 @@ class Net(Protocol):
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """Call ``on_lost(reason)`` from another thread once a peer's connection drops."""
 
+    def goodbye(self, stop: StepMetadata, settle_s: float) -> None:
+        """Where a control plane carries the steps: an attention half's last word, the STOP
+        step (``AttentionConnector._goodbye``; a streaming connector says it in its data path)."""
+
     def close(self, settle_s: float = 0.0) -> None:
         """Release everything, after waiting up to ``settle_s`` (best effort) until the peers
         took what this half sent. No loss is reported once closing began."""
