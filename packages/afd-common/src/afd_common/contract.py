@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import abc
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -474,7 +473,3 @@ class StreamingFFNConnector(AFDConnector):
 
 #: Either FFN protocol: what the FFN serving loops and the service take.
 FFNConnector = ScheduledFFNConnector | StreamingFFNConnector
-
-
-def deadline(timeout_s: float) -> float:
-    return time.monotonic() + timeout_s
