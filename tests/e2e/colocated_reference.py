@@ -41,12 +41,13 @@ def engine_kwargs(common_args: list[str]) -> dict:
 def main(jobs_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from afd_common.tools.launch import COMMON_ARGS
+    from afd_common.tools.launch import COMMON_ARGS, cpu_backend_args
 
     kwargs = engine_kwargs(COMMON_ARGS)
     results = {}
     for job in json.loads(open(jobs_path).read()):
-        llm = LLM(job["model"], **kwargs)
+        llm = LLM(job["model"], **kwargs,
+                  **engine_kwargs(cpu_backend_args(job["model"])))
         params = [SamplingParams(temperature=0, max_tokens=n, logprobs=1, ignore_eos=True, seed=0)
                   for n in job["max_tokens"]]
         outs = llm.generate(job["prompts"], params, use_tqdm=False)

@@ -56,7 +56,7 @@ def cuda_available() -> bool:
 
 def server_for(name: str, model: Path, port: int, logs: Path, args: list[str]) -> Server:
     return Server(name, str(model), port, logs / f"{name}.log", args=args,
-                  common_args=list(GPU_ARGS))
+                  common_args=list(GPU_ARGS), device="cuda")
 
 
 def plan(models: dict[str, Path], logs: Path, ports) -> list[tuple[Case, Server, Server]]:

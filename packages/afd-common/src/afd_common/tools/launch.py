@@ -33,6 +33,16 @@ COMMON_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"
                "--api-server-count", "1"]
 
 
+def cpu_backend_args(model: str) -> list[str]:
+    """Flags a model needs on CPU beyond COMMON_ARGS: on a CPU with AMX, vLLM's MLA backend of
+    choice (AMX_MLA) packs 16-bit weights only and fails to load float32 ones, so MLA checkpoints
+    take the reference CPU MLA backend, the one vLLM picks on every other CPU anyway."""
+    config = Path(model) / "config.json"
+    if config.is_file() and "kv_lora_rank" in json.loads(config.read_text()):
+        return ["--attention-backend", "CPU_MLA"]
+    return []
+
+
 def vllm_executable() -> str:
     exe = Path(sys.executable).with_name("vllm")
     return str(exe) if exe.exists() else (shutil.which("vllm") or "vllm")
@@ -57,6 +67,7 @@ class Server:
     host: str = "127.0.0.1"  # the address it serves HTTP on
     # A command prefix it runs under, e.g. ``ip netns exec NAME`` for a host in a namespace.
     wrap: list[str] = field(default_factory=list)
+    device: str = "cpu"  # "cuda": no CPU-only flags
     proc: subprocess.Popen | None = None
 
     @property
@@ -68,7 +79,8 @@ class Server:
         if self.cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cores
         cmd = [*self.wrap, vllm_executable(), "serve", self.model, "--port", str(self.http_port),
-               "--host", self.host, *self.common_args, *self.args]
+               "--host", self.host, *self.common_args, *self.args,
+               *(cpu_backend_args(self.model) if self.device == "cpu" else [])]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
