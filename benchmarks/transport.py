@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import time
@@ -65,7 +66,7 @@ def ffn_main(args, ports) -> None:
             if plan.kind == StepKind.STOP:
                 break
             for layer in range(args.layers):
-                item = conn.recv_ffn_work_item(0, layer_idx=layer)
+                item = conn.recv_layer(0, layer)
                 conn.send_ffn_output(item.hidden_states, item)
             conn.end_step()
             # The same number of raw round trips, right after.
@@ -122,7 +123,16 @@ def main(argv=None) -> int:
              ctx.Process(target=attention_main, args=(args, ports, q))]
     for p in procs:
         p.start()
-    results = q.get(timeout=600)
+    results = None
+    while results is None:  # a rank that failed (its traceback is above) ends the run
+        try:
+            results = q.get(timeout=1)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                print("a rank failed", file=sys.stderr)
+                return 1
     for p in procs:
         p.join(60)
     print(f"P2pAFDConnector vs raw torch.distributed (Gloo, 127.0.0.1), H={H}, bf16, "

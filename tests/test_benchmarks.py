@@ -1,0 +1,22 @@
+"""The benchmark scripts run: they drive the connector primitives directly, so a change of the
+contract that the suite's other callers follow must reach them too."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_transport_benchmark_round_trips_and_prints_the_ratio_per_size():
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "transport.py"), "--layers", "2",
+                          "--reps", "2", "--tokens", "1", "16"], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out.stdout, re.M)
+    assert [int(r[0]) for r in rows] == [1, 16], out.stdout
+    assert all(float(v) > 0 for r in rows for v in r[1:]), out.stdout
+    assert "worst ratio" in out.stdout
