@@ -117,3 +117,32 @@ def test_a_failed_connection_fails_the_waiting_step_the_start_up_or_asks_to_end_
     assert idle.peer_lost("gone") == "idle"  # nothing would raise: the caller ends the worker
     with pytest.raises(AFDPeerError, match="gone"):
         forward(idle)
+
+
+@pytest.mark.parametrize("backend,bound,warned", [("mp", 300, True), ("mp", 240, False),
+                                                  ("uni", 600, False)])
+def test_a_ride_through_bound_vllm_would_cut_short_is_warned_about(backend, bound, warned,
+                                                                   monkeypatch):
+    """vLLM's multiprocess executor (DP or TP attention) ends a forward after
+    VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s here), whatever reconnect_timeout_s says."""
+    import logging
+    from types import SimpleNamespace
+
+    from afd_attention.model_runner import warn_if_vllm_ends_the_ride_through_first
+
+    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "300")
+    config = parse_afd_config({"role": "attention", "port": 1, "connector_extra_config":
+                               {"reconnect_timeout_s": bound}})
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+        distributed_executor_backend=backend))
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("vllm.afd")
+    logger.addHandler(handler)
+    try:
+        warn_if_vllm_ends_the_ride_through_first(config, vllm_config)
+    finally:
+        logger.removeHandler(handler)
+    assert any("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s)" in m and f"({bound:g} s)" in m
+               for m in seen) == warned, seen

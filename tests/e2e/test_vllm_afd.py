@@ -59,10 +59,11 @@ FIRST_STEP_TIMEOUT_S = 15
 ROLES_APART_S = 60
 # A new FFN role starts this long after the last one was lost (the attention role waits).
 RESTART_AFTER_S = 10
-# How long the attention role waits for it in these cases: the new role's start-up (vLLM's, with
-# two DP ranks, while the attention role holds the other core) took 60-90 s on 2 cores here,
-# too close to the default 120 s on a slower machine. The bound itself is test_reliability's.
-RIDE_THROUGH_BOUND_S = 300
+# How long the attention role waits for it in these cases: the new role (vLLM's start-up, two DP
+# ranks, beside the waiting attention role) was back 89-117 s after the loss on 2 cores here, too
+# close to the default 120 s on a slower machine; below vLLM's 300 s execute timeout (DP
+# attention ranks). The bound itself is test_reliability's.
+RIDE_THROUGH_BOUND_S = 240
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,20 @@ from afd_attention.session import AttentionSession
 logger = logging.getLogger("vllm.afd")
 
 
+def warn_if_vllm_ends_the_ride_through_first(config, vllm_config) -> None:
+    """vLLM's multiprocess executor (tensor or data parallelism) ends a step after
+    ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``; a forward that waits for a returning FFN role longer
+    than that fails there, whatever ``reconnect_timeout_s`` says."""
+    import vllm.envs as envs
+
+    bound, execute_s = config.extra.reconnect_timeout_s, envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
+    if vllm_config.parallel_config.distributed_executor_backend == "mp" and bound >= execute_s:
+        logger.warning("AFD: connector_extra_config.reconnect_timeout_s (%g s) is not below "
+                       "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (%d s): vLLM's multiprocess "
+                       "executor ends a forward that waits that long for a returning FFN role; "
+                       "raise VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS too", bound, execute_s)
+
+
 class AFDAttentionRunnerMixin:
     afd_session: AttentionSession | None = None
     _afd_patches = None
@@ -66,6 +80,7 @@ class AFDAttentionRunnerMixin:
                     config.host, config.port,
                     len(shape.moe_layers),
                     "attention" if config.compute_gate_on_attention else "FFN")
+        warn_if_vllm_ends_the_ride_through_first(config, self.vllm_config)
         if async_dp_enabled(config):
             self._afd_patches = async_dp_forward_context.build()
             self._afd_patches.install()
