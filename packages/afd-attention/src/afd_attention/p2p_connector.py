@@ -24,6 +24,9 @@ class P2pAttentionConnector(AttentionConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._links = self.topology.links_of_attention(self.local_rank)
+        # The FFN rank that gets all of this rank's rows, if one does (replicated, A >= F).
+        self._one_link = (self._links[0].ffn_rank if len(self._links) == 1
+                          and self._links[0].num_chunks == 1 else None)
         self._rec = metrics.recorder("attention", self.config.connector)
 
     def _open(self):
@@ -36,10 +39,16 @@ class P2pAttentionConnector(AttentionConnector):
             return self._pending(call, self._send_sharded(net, call, rows, hidden_states,
                                                           topk_ids, topk_weights))
         out = torch.empty_like(hidden_states)
-        pending = []
-        start = 0
         tag = data_tag(call.layer_idx, call.stage)
         what = ("the FFN result of layer {} stage {}", call.layer_idx, call.stage)
+        if self._one_link is not None:  # every row to one FFN rank: no views to cut
+            if not rows:
+                return self._pending(call, (out, ()))
+            return self._pending(call, (out, (self._exchange(
+                net, self._one_link, pack(hidden_states, topk_ids, topk_weights), out, rows,
+                tag, what),)))
+        pending = []
+        start = 0
         for link in self._links:
             n = self.topology.chunk_rows(link, rows)
             if n == 0:
@@ -48,13 +57,16 @@ class P2pAttentionConnector(AttentionConnector):
             start += n
             msg = pack(hidden_states[sl], topk_ids[sl] if topk_ids is not None else None,
                        topk_weights[sl] if topk_weights is not None else None)
-            dst = self.topology.ffn_global_rank(link.ffn_rank)
-            # Send, then post the reply's receive: on NCCL/HCCL a receive posted first would
-            # hold back the send behind it (in-order matching per pair).
-            net.data.isend(msg, dst, tag)
-            pending.append(net.data.irecv(out[sl], dst, tag, what))
-            self._rec.routed(link.ffn_rank, n)
+            pending.append(self._exchange(net, link.ffn_rank, msg, out[sl], n, tag, what))
         return self._pending(call, (out, pending))
+
+    def _exchange(self, net, ffn_rank, msg, into, rows, tag, what):
+        dst = self.topology.ffn_global_rank(ffn_rank)
+        # Send, then post the reply's receive: on NCCL/HCCL a receive posted first would hold
+        # back the send behind it (in-order matching per pair).
+        net.data.isend(msg, dst, tag)
+        self._rec.routed(ffn_rank, rows)
+        return net.data.irecv(into, dst, tag, what)
 
     def _send_sharded(self, net, call, rows, hidden, topk_ids, topk_weights):
         tag, ctag = data_tag(call.layer_idx, call.stage), count_tag(call.layer_idx, call.stage)

@@ -82,8 +82,14 @@ class P2pFFNConnector(ScheduledFFNConnector):
         net = self._net
         tag = data_tag(item.meta.layer_idx, item.meta.stage)
         output = output.contiguous()
+        sources = item.meta.sources
+        if len(sources) == 1:  # one attention rank's rows: no view to cut
+            a, n = sources[0]
+            if n:
+                net.data.isend(output, self.topology.attention_global_rank(a), tag)
+            return
         start = 0
-        for a, n in item.meta.sources:
+        for a, n in sources:
             if n:
                 net.data.isend(output[start:start + n], self.topology.attention_global_rank(a),
                                tag)
