@@ -221,3 +221,20 @@ def test_schemas_are_the_deployed_ones():
         "int hidden_size=0, int topk=0, int expert_rank_size=0, int attention_rank_size=0, "
         "int rank=0, str group_ep=\"\", int aiv_num=0, Tensor? expert_owner=None, "
         "Tensor? routed_rows=None) -> Tensor")
+
+
+def test_a_peer_lost_while_releasing_sends_is_a_lost_peer(monkeypatch):
+    """release_sends waits for the last step's sends; a peer killed meanwhile fails it with
+    Gloo's error, which must reach the session as a lost peer (that the attention side rides
+    through), not as an unknown RuntimeError that ends the worker."""
+    from afd_common.errors import AFDPeerError
+    from afd_common.transport import cam
+
+    def closed(name):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                           "[127.0.0.1]:1443")
+    monkeypatch.setattr(cam, "release_sends", closed)
+    half = object.__new__(cam.CAMP2pHalf)
+    half._groups, half._peer = ["afd_stage0"], "FFN rank 1"
+    with pytest.raises(AFDPeerError, match="last step's sends: lost FFN rank 1"):
+        half._release_sends()

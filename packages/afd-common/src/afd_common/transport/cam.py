@@ -237,9 +237,13 @@ class CAMP2pHalf:
         """At a step boundary, where every send of the last step was received: the attention
         side begins a step after receiving all of the last one's results, which the FFN side
         sent after receiving all of its rows; the FFN side is told of a step only by attention
-        ranks that finished the last one, every result received."""
-        for name in self._groups:
-            release_sends(name)
+        ranks that finished the last one, every result received. A peer lost since then fails
+        the wait as any other op does (the attention side rides through it)."""
+        try:
+            for name in self._groups:
+                release_sends(name)
+        except RuntimeError as e:
+            raise op_error(e, "the last step's sends", self._peer) from None
 
     def _op_args(self, stage: int) -> dict:
         """The arguments of a2e / e2a every call of this half passes."""
