@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from afd_common.tools.launch import free_port
 from afd_common.tools.tiny_model import write_tiny_model
 
 from .conftest import AUTH_SECRET as SECRET
-from .conftest import afd_pair, get, kill_all, long_request, run_mixed, say
+from .conftest import Pair, get, kill_all, long_request, run_mixed, say
 
 pytestmark = pytest.mark.e2e
 
@@ -39,91 +40,118 @@ def other_models(models, tmp_path_factory):
     return {"num_layers": write_tiny_model("deepseek_v2", root / "layers", num_layers=3)}
 
 
-# (what differs on the FFN side, the field the error must name). Only what needs vLLM to show:
-# a shape vLLM derives from the checkpoint, a third-party connector found by its entry point,
-# and a rank count from --data-parallel-size; every other fingerprint field (hidden size,
-# micro-batches, dtype, placement) is refused the same way in tests/test_handshake.py.
+WRONG = "other-afd-token-0043"
+RECONNECT_S = 10
+# Every role of this module: the load pair's bounds (a step's wait, the ride-through).
+SERVICE_CONFIG = {"timeout_s": 15, "reconnect_timeout_s": RECONNECT_S}
+THIRD_PARTY = Path(__file__).parent / "third_party"
+WAITS_AGAIN = "waiting for the next attention role"
+
+
+@dataclass
+class Service:
+    """One FFN role for the whole module, the service it is in production: it refuses each
+    attention role that does not belong (another shape, connector, rank count or token), waits
+    for the next after each, then serves the one that belongs (the load tests, last)."""
+
+    ffn: Server
+    port: int  # the AFD rendezvous
+    logs: Path
+
+    def attention(self, name: str, model: Path, env: dict | None = None, **afd) -> Server:
+        """An attention role for this FFN role, with the right token unless ``env`` says
+        otherwise; ``afd`` overrides its AFD config."""
+        return Server(f"{name}-attention", str(model), free_port(),
+                      self.logs / f"{name}-attention.log",
+                      args=afd_args("attention", self.port,
+                                    connector_extra_config=SERVICE_CONFIG, **afd),
+                      cores="0", env={"AFD_AUTH_TOKEN": SECRET, **(env or {})}).start()
+
+    def ffn_log(self) -> str:
+        return self.ffn.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def service(models, logs):
+    port = free_port()
+    ffn = Server("service-ffn", str(models["deepseek_v2"]), free_port(), logs / "service-ffn.log",
+                 args=afd_args("ffn", port, connector_extra_config=SERVICE_CONFIG), cores="1",
+                 env={"AFD_AUTH_TOKEN": SECRET}).start()
+    try:
+        yield Service(ffn, port, logs)
+    finally:
+        ffn.stop(5)
+
+
+def refused(service: Service, attention: Server) -> tuple[str, str]:
+    """The attention role reaches the handshake, is refused and stops (non-zero) within 30 s;
+    the FFN role, the same process, waits for the next. Returns both roles' logs of it."""
+    ffn_before = service.ffn_log()
+    try:
+        reached = wait_for_line(attention, "connecting to the FFN role")
+        gone = wait_gone([attention], 30)
+        say(f"{attention.name}: stopped {time.monotonic() - reached:.1f} s after it reached "
+            f"the handshake (exit code {attention.proc.returncode}); the FFN role waits for "
+            "another")
+        assert gone, f"still running: attention {attention.pids()}\n{attention.log_tail()}"
+    finally:
+        attention.stop(5)
+    assert attention.proc.returncode != 0
+    end = time.monotonic() + 30
+    while service.ffn_log().count(WAITS_AGAIN) <= ffn_before.count(WAITS_AGAIN):
+        assert time.monotonic() < end, f"the FFN role does not wait again:\n" \
+            f"{service.ffn.log_tail()}"
+        assert not service.ffn.exited(), service.ffn.log_tail()
+        time.sleep(0.2)
+    return service.ffn_log()[len(ffn_before):], attention.log_path.read_text(errors="replace")
+
+
+# (what differs on the attention side, the field the error must name). Only what needs vLLM to
+# show: a shape vLLM derives from the checkpoint, a third-party connector found by its entry
+# point, and the FFN rank count; every other fingerprint field (hidden size, micro-batches,
+# dtype, placement) is refused the same way in tests/test_handshake.py.
 MISMATCHES = [
     ("num_layers", "num_layers"),
     ("connector", "connector"),
     ("num_ffn_ranks", "num_ffn_ranks"),
 ]
-THIRD_PARTY = Path(__file__).parent / "third_party"
 
 
 @pytest.mark.parametrize("change,field", MISMATCHES, ids=[m[0] for m in MISMATCHES])
-def test_mismatched_roles_are_refused_naming_the_field(change, field, models, other_models,
-                                                       logs):
-    port = free_port()
-    attn_model = ffn_model = models["deepseek_v2"]
-    ffn_afd: dict = {}
-    ffn_env: dict = {}
+def test_mismatched_roles_are_refused_naming_the_field(change, field, service, models,
+                                                       other_models):
+    model, env, afd = models["deepseek_v2"], {}, {}
     if change in other_models:
-        ffn_model = other_models[change]
+        model = other_models[change]
     elif change == "connector":
         # Another connector, installed the way a third party ships one (an entry point).
-        ffn_afd = {"connector": "OtherConnector"}
-        ffn_env = {"PYTHONPATH": os.pathsep.join(
+        afd = {"connector": "OtherConnector"}
+        env = {"PYTHONPATH": os.pathsep.join(
             p for p in (str(THIRD_PARTY), os.environ.get("PYTHONPATH")) if p)}
     elif change == "num_ffn_ranks":
-        ffn_afd = {"num_ffn_ranks": 2}
-    ffn_args = afd_args("ffn", port, **ffn_afd)
-    if change == "num_ffn_ranks":
-        ffn_args += ["--data-parallel-size", "2"]
-    ffn = Server(f"mismatch-{change}-ffn", str(ffn_model), free_port(),
-                 logs / f"mismatch-{change}-ffn.log", args=ffn_args, env=ffn_env,
-                 cores="1|0" if change == "num_ffn_ranks" else "1").start()
-    attention = Server(f"mismatch-{change}-attention", str(attn_model), free_port(),
-                       logs / f"mismatch-{change}-attention.log",
-                       args=afd_args("attention", port), cores="0").start()
-    try:
-        later = max(wait_for_line(ffn, "waiting for the attention role"),
-                    wait_for_line(attention, "connecting to the FFN role"))
-        gone = wait_gone([attention], max(0.0, later + 30 - time.monotonic()))
-        say(f"mismatch {change}: the attention role stopped {time.monotonic() - later:.1f} s "
-            f"after the later role reached the handshake (exit code "
-            f"{attention.proc.returncode}); the FFN role waits for another")
-        assert gone, f"still running: attention {attention.pids()}"
-        assert attention.proc.returncode != 0
-        # The FFN role refused that attention role and stays up for one that belongs.
-        wait_for_line(ffn, "waiting for the next attention role", 30)
-        assert not ffn.exited()
-        for server in (ffn, attention):
-            log = server.log_path.read_text(errors="replace")
-            assert f"'{field}' differs" in log, f"{server.name}:\n{server.log_tail(40)}"
-    finally:
-        ffn.stop(5), attention.stop(5)
+        afd = {"num_ffn_ranks": 2}
+    for log in refused(service, service.attention(f"mismatch-{change}", model, env, **afd)):
+        assert f"'{field}' differs" in log, log[-4000:]
 
 
-WRONG = "other-afd-token-0043"
-TIMEOUT = {"timeout_s": 15}
-
-
-def test_auth_token_wrong_is_refused_and_never_logged(models, logs):
-    port = free_port()
-    ffn = Server("auth-ffn", str(models["qwen3_moe"]), free_port(), logs / "auth-ffn.log",
-                 args=afd_args("ffn", port), cores="1", env={"AFD_AUTH_TOKEN": SECRET}).start()
-    attention = Server("auth-attention", str(models["qwen3_moe"]), free_port(),
-                       logs / "auth-attention.log", args=afd_args("attention", port), cores="0",
-                       env={"AFD_AUTH_TOKEN": WRONG}).start()
-    try:
-        assert wait_gone([attention], 240), attention.log_tail()
-        assert "authentication failed" in attention.log_path.read_text(errors="replace")
-    finally:
-        ffn.stop(5), attention.stop(5)
-    for server in (ffn, attention):
-        text = server.log_path.read_text(errors="replace")
+def test_auth_token_wrong_is_refused_and_never_logged(service, models):
+    ffn_log, attention_log = refused(service, service.attention(
+        "auth-wrong", models["deepseek_v2"], {"AFD_AUTH_TOKEN": WRONG}))
+    assert "authentication failed" in attention_log
+    for text in (ffn_log, attention_log):
         assert SECRET not in text and WRONG not in text
 
 
-RECONNECT_S = 10
-
-
 @pytest.fixture(scope="module")
-def load_pair(models, logs):
-    with afd_pair("load", logs, models["deepseek_v2"],
-                  connector_extra_config={**TIMEOUT, "reconnect_timeout_s": RECONNECT_S}) as pair:
+def load_pair(service, models):
+    """The attention role that belongs, with the right token: the FFN role serves it."""
+    attention = service.attention("load", models["deepseek_v2"])
+    pair = Pair([service.ffn], [attention], service.port)
+    try:
+        attention.wait_ready(progress=say, others=(service.ffn,))
         yield pair
+    finally:
+        attention.stop(5)
 
 
 def test_64_concurrent_mixed_requests_exact(load_pair, colocated):
@@ -161,3 +189,5 @@ def test_an_ffn_role_gone_past_reconnect_timeout_fails_requests_and_ends_the_att
     assert pair.attention.proc.returncode == FAILED_EXIT_CODE
     log = pair.attention.log_path.read_text(errors="replace")
     assert f"no FFN role came back within reconnect_timeout_s ({RECONNECT_S} s)" in log
+    for server in pair.servers:  # the right token was never logged either
+        assert SECRET not in server.log_path.read_text(errors="replace")

@@ -1,9 +1,9 @@
 """A third-party connector, found only through its own entry point (this folder's dist-info):
-the P2P FFN half under another name and wire protocol. The mismatch test starts the FFN role with
-it, so the attention role meets a connector it does not speak."""
+the P2P attention half under another name and wire protocol. The mismatch test starts an
+attention role with it, so the FFN role meets a connector it does not speak."""
 
-from afd_ffn.p2p_connector import P2pFFNConnector
+from afd_attention.p2p_connector import P2pAttentionConnector
 
 
-class OtherFFNConnector(P2pFFNConnector):
+class OtherAttentionConnector(P2pAttentionConnector):
     protocol = "other-p2p/1"
