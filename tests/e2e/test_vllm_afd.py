@@ -55,13 +55,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 # A role started alone waits this long for its first step; the other's start-up outlasts it.
 FIRST_STEP_TIMEOUT_S = 15
-# The other role starts this long after the one started alone, once that one is ready (about
-# 25 s alone); its own start-up (three processes importing vLLM, over 20 s) is the first one's
-# wait, longer than FIRST_STEP_TIMEOUT_S (checked).
-ROLES_APART_S = 30
-# The attention role answers /health 503 within this of its FFN role gone (it learns of the loss
-# from the closed connections at once; the new role is then still starting).
-WAITING_SEEN_S = 10
+# The other role starts this long after the one started alone (once that one is ready).
+ROLES_APART_S = 60
+# A new FFN role starts this long after the last one was lost (the attention role waits).
+RESTART_AFTER_S = 10
 # How long the attention role waits for a new FFN role in these cases: one of two DP ranks
 # (vLLM's start-up beside the waiting attention role) was back up to 153 s after the loss on 2
 # cores without bytecode, too close to the default 120 s; below vLLM's 300 s execute timeout (DP
@@ -151,10 +148,11 @@ CASES = [
          inorder=True, ride_through="SIGTERM"),
     Case("deepseek_v2", True, A=2, F=2, connector="CAMAsyncAFDConnector", sharded=True,
          inorder=True, ride_through="SIGKILL"),
-    # Every other architecture of afd_common.vllm_glue.models over P2P, with the gate where the
-    # table puts it (DeepSeek-V2 1A1F with the gate on the FFN role: the load pair of
-    # test_reliability). DeepSeek-V3 with 2 attention ranks, the gate on the FFN role, m = 2.
-    Case("deepseek_v3", False, A=2, m=2, hosts=True),
+    # Every other architecture of afd_common.vllm_glue.models, 1A1F over P2P, with the gate where
+    # the table puts it (DeepSeek-V2 1A1F with the gate on the FFN role: the load pair of
+    # test_reliability). DeepSeek-V3 also with 2 attention ranks and m = 2.
+    Case("deepseek_v3", False),
+    Case("deepseek_v3", True, A=2, m=2, hosts=True),
     # Each role started alone once: neither's start-up waits for the other.
     Case("glm4_moe", True, first="attention"),
     Case("gpt_oss", True),
@@ -308,7 +306,7 @@ def afd_log_lines(server, last: int = 40) -> str:
 
 def ffn_restarts_under_load(pair, case: Case, colocated, logs) -> None:
     """8 clients stream greedy 64-token requests while the FFN role gets ``case.ride_through``
-    (SIGKILL: a crash; SIGTERM: a rolling update) and a new one starts once it is gone:
+    (SIGKILL: a crash; SIGTERM: a rolling update) and a new one starts RESTART_AFTER_S later:
     every request gets the colocated tokens and none errors; the attention server is the same
     process throughout and answers /health with 503 and its reason while it waits."""
     how = case.ride_through
@@ -323,19 +321,18 @@ def ffn_restarts_under_load(pair, case: Case, colocated, logs) -> None:
             else:
                 server.signal(signal.SIGTERM)
         assert wait_gone(pair.ffn_ranks, 30), [s.log_tail() for s in pair.ffn_ranks]
-        gone = time.monotonic()
-        pair.ffn_ranks = [dataclasses.replace(  # same flags, cores, host and port
-            s, name=f"{s.name}-after-{how}", log_path=logs / f"{s.name}-after-{how}.log",
-            proc=None).start() for s in pair.ffn_ranks]
-        # The new role's start-up (vLLM's processes importing it) outlasts this by far.
-        while pair.attention.health() != 503 and time.monotonic() < gone + WAITING_SEEN_S:
+        while pair.attention.health() != 503 and time.monotonic() < lost + RESTART_AFTER_S:
             time.sleep(0.2)
         waiting = json.loads(get(pair.attention.url + "/health", ok_only=False))
         assert not waiting["healthy"] and waiting["ranks"], waiting
+        time.sleep(max(0.0, lost + RESTART_AFTER_S - time.monotonic()))
+        pair.ffn_ranks = [dataclasses.replace(  # same flags, cores, host and port
+            s, name=f"{s.name}-after-{how}", log_path=logs / f"{s.name}-after-{how}.log",
+            proc=None).start() for s in pair.ffn_ranks]
         pair.ffn.wait_ready(progress=say, others=(*pair.ffn_ranks[1:], pair.attention))
         before = stream.done
         stream.wait_done(before + 8, 300)
-        say(f"{case.id}: {how} on the FFN role, a new one started once it was gone: {before} "
+        say(f"{case.id}: {how} on the FFN role, a new one {RESTART_AFTER_S} s later: {before} "
             f"requests done before it served, {stream.done} now; /health while waiting: "
             f"{waiting['reason']!r}, {len(waiting['ranks'])} rank(s) waiting; back "
             f"{time.monotonic() - lost:.0f} s after the loss")
