@@ -205,40 +205,68 @@ class RequestStream:
             t.join(600)
 
 
-@pytest.fixture(scope="session")
-def colocated(models, logs) -> dict[str, list]:
+class ColocatedReference:
     """The reference: colocated vLLM per checkpoint, same engine flags, same prompts (vLLM's
-    offline engine, ``colocated_reference.py``); ``"<arch>-mixed"`` holds the token ids of the
-    64-request mixed load."""
-    jobs = [{"key": arch, "model": str(models[arch]), "prompts": PROMPTS[:NUM_PROMPTS],
-             "max_tokens": [32] * NUM_PROMPTS} for arch in ARCHS]
-    jobs += [{"key": f"{arch}-{RIDE_THROUGH_TOKENS}", "model": str(models[arch]),
-              "prompts": PROMPTS[:NUM_PROMPTS], "max_tokens": [RIDE_THROUGH_TOKENS] * NUM_PROMPTS}
-             for arch in RIDE_THROUGH_ARCHS]
-    mixed = mixed_load()
-    jobs.insert(1, {"key": "deepseek_v2-mixed", "model": str(models["deepseek_v2"]),
-                    "prompts": [p for p, _ in mixed], "max_tokens": [n for _, n in mixed]})
-    # Two processes, one core each, every other job.
-    script = Path(__file__).with_name("colocated_reference.py")
-    procs = []
-    for core in (0, 1):
-        share, out = logs / f"colocated-jobs-{core}.json", logs / f"colocated-{core}.json"
-        share.write_text(json.dumps(jobs[core::2]))
-        log = open(logs / f"colocated-{core}.log", "wb")  # noqa: SIM115 - owned by the child
-        env = {**os.environ, **BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-        procs.append((subprocess.Popen([sys.executable, str(script), str(share), str(out)],
-                                       stdout=log, stderr=subprocess.STDOUT, env=env), out))
-        log.close()
-    answers: dict[str, list] = {}
-    start = time.monotonic()
-    for proc, out in procs:
-        rc = proc.wait(timeout=900)
-        assert rc == 0, f"colocated reference failed ({rc}):\n" + "\n".join(
-            out.with_suffix(".log").read_text(errors="replace").splitlines()[-40:])
-        answers.update(json.loads(out.read_text()))
-    say(f"colocated references for {len(jobs)} jobs in {time.monotonic() - start:.0f} s")
-    answers["deepseek_v2-mixed"] = [a["tokens"] for a in answers["deepseek_v2-mixed"]]
-    return answers
+    offline engine, ``colocated_reference.py``), in two processes (one core each, every other
+    job); ``"<arch>-mixed"`` holds the token ids of the 64-request mixed load. Started with the
+    first e2e test and left to run beside it: the first tests (one FFN role that waits, attention
+    roles started one after another) leave a core idle."""
+
+    def __init__(self, models: dict[str, Path], logs: Path):
+        jobs = [{"key": arch, "model": str(models[arch]), "prompts": PROMPTS[:NUM_PROMPTS],
+                 "max_tokens": [32] * NUM_PROMPTS} for arch in ARCHS]
+        jobs += [{"key": f"{arch}-{RIDE_THROUGH_TOKENS}", "model": str(models[arch]),
+                  "prompts": PROMPTS[:NUM_PROMPTS],
+                  "max_tokens": [RIDE_THROUGH_TOKENS] * NUM_PROMPTS}
+                 for arch in RIDE_THROUGH_ARCHS]
+        mixed = mixed_load()
+        jobs.insert(1, {"key": "deepseek_v2-mixed", "model": str(models["deepseek_v2"]),
+                        "prompts": [p for p, _ in mixed], "max_tokens": [n for _, n in mixed]})
+        script = Path(__file__).with_name("colocated_reference.py")
+        self.procs = []
+        self.start, self.jobs = time.monotonic(), len(jobs)
+        for core in (0, 1):
+            share, out = logs / f"colocated-jobs-{core}.json", logs / f"colocated-{core}.json"
+            share.write_text(json.dumps(jobs[core::2]))
+            log = open(logs / f"colocated-{core}.log", "wb")  # noqa: SIM115 - the child's
+            env = {**os.environ, **BASE_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+            self.procs.append((subprocess.Popen(
+                [sys.executable, str(script), str(share), str(out)], stdout=log,
+                stderr=subprocess.STDOUT, env=env), out))
+            log.close()
+        self._answers: dict[str, list] | None = None
+
+    def answers(self) -> dict[str, list]:
+        if self._answers is None:
+            answers: dict[str, list] = {}
+            for proc, out in self.procs:
+                rc = proc.wait(timeout=900)
+                assert rc == 0, f"colocated reference failed ({rc}):\n" + "\n".join(
+                    out.with_suffix(".log").read_text(errors="replace").splitlines()[-40:])
+                answers.update(json.loads(out.read_text()))
+            say(f"colocated references for {self.jobs} jobs done "
+                f"{time.monotonic() - self.start:.0f} s after they started")
+            answers["deepseek_v2-mixed"] = [a["tokens"] for a in answers["deepseek_v2-mixed"]]
+            self._answers = answers
+        return self._answers
+
+    def close(self) -> None:
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _colocated_reference(models, logs):
+    reference = ColocatedReference(models, logs)
+    yield reference
+    reference.close()
+
+
+@pytest.fixture(scope="session")
+def colocated(_colocated_reference) -> dict[str, list]:
+    return _colocated_reference.answers()
 
 
 class Pair:

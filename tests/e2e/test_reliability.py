@@ -6,7 +6,7 @@ import concurrent.futures as cf
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -57,35 +57,54 @@ class Service:
     ffn: Server
     port: int  # the AFD rendezvous
     logs: Path
+    # The attention roles it meets: name -> (checkpoint, env, AFD config overrides); the right
+    # token unless env says otherwise.
+    roles: dict[str, tuple[Path, dict, dict]]
+    started: dict[str, Server] = field(default_factory=dict)
 
-    def attention(self, name: str, model: Path, env: dict | None = None, **afd) -> Server:
-        """An attention role for this FFN role, with the right token unless ``env`` says
-        otherwise; ``afd`` overrides its AFD config."""
-        return Server(f"{name}-attention", str(model), free_port(),
-                      self.logs / f"{name}-attention.log",
-                      args=afd_args("attention", self.port,
-                                    connector_extra_config=SERVICE_CONFIG, **afd),
-                      cores="0", env={"AFD_AUTH_TOKEN": SECRET, **(env or {})}).start()
+    def attention(self, name: str) -> Server:
+        """The attention role ``name``, started now unless it already was."""
+        if name not in self.started:
+            model, env, afd = self.roles[name]
+            self.started[name] = Server(
+                f"{name}-attention", str(model), free_port(), self.logs / f"{name}-attention.log",
+                args=afd_args("attention", self.port, connector_extra_config=SERVICE_CONFIG,
+                              **afd),
+                cores="0", env={"AFD_AUTH_TOKEN": SECRET, **env}).start()
+        return self.started[name]
 
     def ffn_log(self) -> str:
         return self.ffn.log_path.read_text(errors="replace")
 
 
 @pytest.fixture(scope="module")
-def service(models, logs):
+def service(models, other_models, logs):
     port = free_port()
     ffn = Server("service-ffn", str(models["deepseek_v2"]), free_port(), logs / "service-ffn.log",
                  args=afd_args("ffn", port, connector_extra_config=SERVICE_CONFIG), cores="1",
                  env={"AFD_AUTH_TOKEN": SECRET}).start()
+    model = models["deepseek_v2"]
+    # Another connector, installed the way a third party ships one (an entry point).
+    third_party = {"PYTHONPATH": os.pathsep.join(
+        p for p in (str(THIRD_PARTY), os.environ.get("PYTHONPATH")) if p)}
+    roles = {"mismatch-num_layers": (other_models["num_layers"], {}, {}),
+             "mismatch-connector": (model, third_party, {"connector": "OtherConnector"}),
+             "mismatch-num_ffn_ranks": (model, {}, {"num_ffn_ranks": 2}),
+             "auth-wrong": (model, {"AFD_AUTH_TOKEN": WRONG}, {}),
+             "load": (model, {}, {})}
+    service = Service(ffn, port, logs, roles)
     try:
-        yield Service(ffn, port, logs)
+        yield service
     finally:
-        ffn.stop(5)
+        for server in (*service.started.values(), ffn):
+            server.stop(5)
 
 
-def refused(service: Service, attention: Server) -> tuple[str, str]:
-    """The attention role reaches the handshake, is refused and stops (non-zero) within 30 s;
-    the FFN role, the same process, waits for the next. Returns both roles' logs of it."""
+def refused(service: Service, name: str) -> tuple[str, str]:
+    """The attention role ``name`` reaches the handshake, is refused and stops (non-zero)
+    within 30 s; the FFN role, the same process, waits for the next. Returns both roles' logs
+    of it."""
+    attention = service.attention(name)
     ffn_before = service.ffn_log()
     try:
         reached = wait_for_line(attention, "connecting to the FFN role")
@@ -118,34 +137,22 @@ MISMATCHES = [
 
 
 @pytest.mark.parametrize("change,field", MISMATCHES, ids=[m[0] for m in MISMATCHES])
-def test_mismatched_roles_are_refused_naming_the_field(change, field, service, models,
-                                                       other_models):
-    model, env, afd = models["deepseek_v2"], {}, {}
-    if change in other_models:
-        model = other_models[change]
-    elif change == "connector":
-        # Another connector, installed the way a third party ships one (an entry point).
-        afd = {"connector": "OtherConnector"}
-        env = {"PYTHONPATH": os.pathsep.join(
-            p for p in (str(THIRD_PARTY), os.environ.get("PYTHONPATH")) if p)}
-    elif change == "num_ffn_ranks":
-        afd = {"num_ffn_ranks": 2}
-    for log in refused(service, service.attention(f"mismatch-{change}", model, env, **afd)):
+def test_mismatched_roles_are_refused_naming_the_field(change, field, service):
+    for log in refused(service, f"mismatch-{change}"):
         assert f"'{field}' differs" in log, log[-4000:]
 
 
-def test_auth_token_wrong_is_refused_and_never_logged(service, models):
-    ffn_log, attention_log = refused(service, service.attention(
-        "auth-wrong", models["deepseek_v2"], {"AFD_AUTH_TOKEN": WRONG}))
+def test_auth_token_wrong_is_refused_and_never_logged(service):
+    ffn_log, attention_log = refused(service, "auth-wrong")
     assert "authentication failed" in attention_log
     for text in (ffn_log, attention_log):
         assert SECRET not in text and WRONG not in text
 
 
 @pytest.fixture(scope="module")
-def load_pair(service, models):
+def load_pair(service):
     """The attention role that belongs, with the right token: the FFN role serves it."""
-    attention = service.attention("load", models["deepseek_v2"])
+    attention = service.attention("load")
     pair = Pair([service.ffn], [attention], service.port)
     try:
         attention.wait_ready(progress=say, others=(service.ffn,))
