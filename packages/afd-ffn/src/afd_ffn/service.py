@@ -116,6 +116,7 @@ class FFNService:
                 self.connector = self._new_connector()
             connector = self.connector
         c = self.config
+        pause = 0.0
         self.state = "waiting"
         logger.info("AFD FFN rank %d: waiting for the attention role on %s:%d", self.rank,
                     c.host, c.port)
@@ -144,13 +145,13 @@ class FFNService:
                 # peers' connections close): this rank found it, or rank 0 cannot re-bind yet.
                 logger.info("AFD FFN rank %d: the last attention world's rendezvous is still "
                             "closing; trying again", self.rank)
-                self._stop.wait(NEXT_WORLD_PAUSE_S / 4)
-                return
-            self.error = f"{type(e).__name__}: {e}"
-            self._publish()
-            logger.warning("AFD FFN rank %d: attention world ended: %s -- waiting for the next "
-                           "attention role", self.rank, self.error)
-            self._stop.wait(NEXT_WORLD_PAUSE_S)
+                pause = NEXT_WORLD_PAUSE_S / 4
+            else:
+                self.error = f"{type(e).__name__}: {e}"
+                self._publish()
+                logger.warning("AFD FFN rank %d: attention world ended: %s -- waiting for the "
+                               "next attention role", self.rank, self.error)
+                pause = NEXT_WORLD_PAUSE_S
         finally:
             with self._lock:
                 if self.loop is not None:
@@ -161,6 +162,10 @@ class FFNService:
             # The closed world's store and groups may sit in reference cycles: free them now,
             # so rank 0's rendezvous port is free for the next world.
             gc.collect()
+        # Only now, the error's traceback gone with the except block: its frames held the
+        # refused world's store, so rank 0 kept that rendezvous up through the pause, and an
+        # attention role arriving then found its ranks claimed there ("already taken").
+        self._stop.wait(pause)
 
     def status(self) -> dict:
         loop = self.loop
