@@ -2,4 +2,4 @@
 # The README's test command: set up, then every test tier (unit, multi-process, end to end).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
-uv run --no-sync pytest "$@"
+exec uv run --no-sync pytest "$@"

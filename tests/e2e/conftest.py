@@ -75,14 +75,22 @@ def logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm-logs")
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @pytest.fixture(scope="session")
 def hosts():
     """Four hosts (network namespaces on one bridge), made when a test first asks; none of this
     harness's namespaces may be left after the session."""
     made = Hosts(4)
+    # A run stopped with SIGTERM (CI's timeout, a killed job) still tears down: pytest runs the
+    # finalizers on KeyboardInterrupt, not when SIGTERM's default action ends the process.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         yield made
     finally:
+        signal.signal(signal.SIGTERM, previous)
         made.close()
         assert not made.leftovers(), f"left behind: {made.leftovers()}"
 
@@ -224,7 +232,7 @@ class ColocatedReference:
                         "prompts": [p for p, _ in mixed], "max_tokens": [n for _, n in mixed]})
         script = Path(__file__).with_name("colocated_reference.py")
         self.procs = []
-        self.start, self.jobs = time.monotonic(), len(jobs)
+        self.start, self.num_jobs = time.monotonic(), len(jobs)
         for core in (0, 1):
             share, out = logs / f"colocated-jobs-{core}.json", logs / f"colocated-{core}.json"
             share.write_text(json.dumps(jobs[core::2]))
@@ -244,7 +252,7 @@ class ColocatedReference:
                 assert rc == 0, f"colocated reference failed ({rc}):\n" + "\n".join(
                     out.with_suffix(".log").read_text(errors="replace").splitlines()[-40:])
                 answers.update(json.loads(out.read_text()))
-            say(f"colocated references for {self.jobs} jobs done "
+            say(f"colocated references for {self.num_jobs} jobs done "
                 f"{time.monotonic() - self.start:.0f} s after they started")
             answers["deepseek_v2-mixed"] = [a["tokens"] for a in answers["deepseek_v2-mixed"]]
             self._answers = answers

@@ -22,10 +22,11 @@ from .conftest import Pair, get, kill_all, long_request, run_mixed, say
 pytestmark = pytest.mark.e2e
 
 
-def wait_for_line(server: Server, needle: str, timeout_s: float = 240) -> float:
+def wait_for_line(server: Server, needle: str, timeout_s: float = 240, after: int = 0) -> float:
+    """When ``needle`` appears in the server's log (past its first ``after`` characters)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        if needle in server.log_path.read_text(errors="replace"):
+        if needle in server.log_path.read_text(errors="replace")[after:]:
             return time.monotonic()
         if server.exited():
             raise AssertionError(f"{server.name} exited before {needle!r}:\n{server.log_tail()}")
@@ -60,18 +61,16 @@ class Service:
     # The attention roles it meets: name -> (checkpoint, env, AFD config overrides); the right
     # token unless env says otherwise.
     roles: dict[str, tuple[Path, dict, dict]]
-    started: dict[str, Server] = field(default_factory=dict)
+    started: list[Server] = field(default_factory=list)  # stopped with the FFN role
 
     def attention(self, name: str) -> Server:
-        """The attention role ``name``, started now unless it already was."""
-        if name not in self.started:
-            model, env, afd = self.roles[name]
-            self.started[name] = Server(
-                f"{name}-attention", str(model), free_port(), self.logs / f"{name}-attention.log",
-                args=afd_args("attention", self.port, connector_extra_config=SERVICE_CONFIG,
-                              **afd),
-                cores="0", env={"AFD_AUTH_TOKEN": SECRET, **env}).start()
-        return self.started[name]
+        """Start the attention role ``name``."""
+        model, env, afd = self.roles[name]
+        self.started.append(Server(
+            f"{name}-attention", str(model), free_port(), self.logs / f"{name}-attention.log",
+            args=afd_args("attention", self.port, connector_extra_config=SERVICE_CONFIG, **afd),
+            cores="0", env={"AFD_AUTH_TOKEN": SECRET, **env}).start())
+        return self.started[-1]
 
     def ffn_log(self) -> str:
         return self.ffn.log_path.read_text(errors="replace")
@@ -96,7 +95,7 @@ def service(models, other_models, logs):
     try:
         yield service
     finally:
-        for server in (*service.started.values(), ffn):
+        for server in (*service.started, ffn):
             server.stop(5)
 
 
@@ -116,12 +115,7 @@ def refused(service: Service, name: str) -> tuple[str, str]:
     finally:
         attention.stop(5)
     assert attention.proc.returncode != 0
-    end = time.monotonic() + 30
-    while service.ffn_log().count(WAITS_AGAIN) <= ffn_before.count(WAITS_AGAIN):
-        assert time.monotonic() < end, f"the FFN role does not wait again:\n" \
-            f"{service.ffn.log_tail()}"
-        assert not service.ffn.exited(), service.ffn.log_tail()
-        time.sleep(0.2)
+    wait_for_line(service.ffn, WAITS_AGAIN, 30, after=len(ffn_before))
     return service.ffn_log()[len(ffn_before):], attention.log_path.read_text(errors="replace")
 
 
@@ -153,12 +147,8 @@ def test_auth_token_wrong_is_refused_and_never_logged(service):
 def load_pair(service):
     """The attention role that belongs, with the right token: the FFN role serves it."""
     attention = service.attention("load")
-    pair = Pair([service.ffn], [attention], service.port)
-    try:
-        attention.wait_ready(progress=say, others=(service.ffn,))
-        yield pair
-    finally:
-        attention.stop(5)
+    attention.wait_ready(progress=say, others=(service.ffn,))
+    return Pair([service.ffn], [attention], service.port)
 
 
 def test_64_concurrent_mixed_requests_exact(load_pair, colocated):
