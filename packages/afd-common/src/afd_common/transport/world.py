@@ -180,19 +180,24 @@ class AFDWorld:
                                     ", ".join(map(self.describe, unchecked)), waited)
                         next_log += CONNECT_PROGRESS_EVERY_S
                     time.sleep(0.05)
-            if self.steps_done is not None:
-                self.catch_up_steps = self._line_up(steps_done)
+            if self.config.role == "attention":
+                steps_done[self.rank] = self.steps_done
+            if any(n is not None for n in steps_done.values()):
+                behind = self._furthest_behind(steps_done)
+                if self.steps_done is not None:
+                    self.catch_up_steps = self.steps_done - behind
         except AFDHandshakeError as e:
             self._leave_refusal(str(e))
             raise
         logger.info("%s: handshake with %d peers ok (%.1f s)", self.what, len(others),
                     time.monotonic() - start)
 
-    def _line_up(self, theirs: dict[int, Any]) -> int:
-        """How many forwards this rank finished beyond the attention rank furthest behind. A
-        peer's count is checked, never trusted: lock-step ranks are at most one forward apart."""
+    def _furthest_behind(self, told: dict[int, Any]) -> int:
+        """The fewest forwards any attention rank finished. Every rank, FFN ranks included,
+        checks the counts the same way, so a bad one is refused on all sides whatever the order
+        the hellos arrive in; a count is never trusted: lock-step ranks are at most one apart."""
         counts = {}
-        for r, n in sorted({**theirs, self.rank: self.steps_done}.items()):
+        for r, n in sorted(told.items()):
             if type(n) is not int or n < 0:
                 raise AFDHandshakeError(f"{self.what}: {self.describe(r)} sent steps_done {n!r}: "
                                         "expected the count of its finished forwards (>= 0)")
@@ -203,7 +208,7 @@ class AFDWorld:
                 f"{self.what}: attention ranks more than one forward apart: "
                 f"{self.describe(ahead)} finished {counts[ahead]}, {self.describe(behind)} "
                 f"{counts[behind]} (steps_done); lock-step DP ranks never are")
-        return self.steps_done - counts[behind]
+        return counts[behind]
 
     def _leave_refusal(self, message: str) -> None:
         """Tell the peers why the handshake stopped before this rank's store connection goes.
