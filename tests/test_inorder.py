@@ -147,3 +147,17 @@ def test_device_waits_are_bounded_by_the_step_timeout_and_real():
     with pytest.raises(AFDPeerError, match="no the result from FFN rank 1 within 0.3 s"):
         io.wait(io.irecv(torch.empty(1), 1, 0, "the result"), 0.3)
     assert time.monotonic() - start < 2.0
+
+
+def test_a_send_never_taken_names_the_step_timeout():
+    """A cut link may leave a send, not a receive, waiting: its error names the timeout too."""
+    from afd_common.errors import AFDTimeoutError
+    from afd_common.transport.process_groups import PeerIO
+
+    io = PeerIO(_NcclGroup(after_s=60), lambda r: f"FFN rank {r}")
+    io.isend(torch.empty(1), 1, 0)
+    start = time.monotonic()
+    with pytest.raises(AFDTimeoutError, match="FFN rank 1 did not take a message we sent within "
+                                              "0.3 s"):
+        io.flush(0.3)
+    assert time.monotonic() - start < 2.0

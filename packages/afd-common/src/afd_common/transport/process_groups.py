@@ -331,9 +331,11 @@ class PeerIO:
                 else:
                     wait_device_work(work, timeout_s)
             except RuntimeError as e:
-                kind = AFDTimeoutError if is_timeout(e) else AFDPeerError
-                raise kind(f"{self._describe(dst)} did not take a message we sent: "
-                           f"{first_line(e)}") from None
+                if is_timeout(e):
+                    raise AFDTimeoutError(f"{self._describe(dst)} did not take a message we sent "
+                                          f"within {timeout_s} s: {first_line(e)}") from None
+                raise AFDPeerError(f"{self._describe(dst)} did not take a message we sent: "
+                                   f"{first_line(e)}") from None
 
     def flush(self, timeout_s: float) -> None:
         """Wait (bounded) until every peer took what we sent."""
