@@ -58,7 +58,10 @@ def say(msg: str) -> None:
         return
     capture, reporter = _plugins
     with capture.global_and_fixture_disabled():
-        reporter.write_line(f"[e2e] {msg}")
+        if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's stdout is /dev/null, not stderr
+            print(f"[e2e] {msg}", file=sys.__stderr__, flush=True)
+        else:
+            reporter.write_line(f"[e2e] {msg}")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,16 +9,19 @@ bucket on both ends of its veth: each end shapes what it sends) and cut.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import re
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 
 # Private range (RFC 1918), used only inside the namespaces made here: 10.231.X.0/24, a third
 # octet of its own per instance, so instances alive at once never share a route.
 SUBNET_PREFIX = "10.231"
 IFNAME = "eth0"  # each host's interface on the bridge
+LOCK_PATH = os.path.join(tempfile.gettempdir(), "afd-hosts.lock")
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -75,6 +78,12 @@ class Hosts:
         return f"{self.tag}v{i}"[:15]
 
     def _make(self) -> None:
+        # Harnesses made at once (test workers side by side) would read the same free subnet.
+        with open(LOCK_PATH, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._make_locked()
+
+    def _make_locked(self) -> None:
         for ns in our_netns():  # an earlier run's, killed before it could clean up
             if not _alive(ns):
                 ip("netns", "del", ns, check=False)
