@@ -19,8 +19,7 @@ from afd_common.tools.tiny_model import write_tiny_model
 from .conftest import AUTH_SECRET as SECRET
 from .conftest import Pair, get, kill_all, long_request, run_mixed, say
 
-# One worker runs every end-to-end test, in order (scripts/test.sh: -n 2 --dist loadgroup).
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e")]
+pytestmark = pytest.mark.e2e
 
 
 def wait_for_line(server: Server, needle: str, timeout_s: float = 240, after: int = 0) -> float:

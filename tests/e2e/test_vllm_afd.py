@@ -23,8 +23,7 @@ from .conftest import (AUTH_SECRET, FAMILY_CONTROLS, NUM_EXPERTS, NUM_PROMPTS, R
                        SHARDED_CONTROL_RANKS, RequestStream, afd_pair, get, kill_all, long_request,
                        say)
 
-# One worker runs every end-to-end test, in order (scripts/test.sh: -n 2 --dist loadgroup).
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e")]
+pytestmark = pytest.mark.e2e
 
 
 def weights(server) -> dict:
