@@ -230,3 +230,27 @@ def test_prompts_are_fixed_and_in_range():
     a = make_prompts(4, 16, 300, seed=1)
     assert a == make_prompts(4, 16, 300, seed=1) != make_prompts(4, 16, 300, seed=2)
     assert all(len(p) == 16 and all(16 <= t < 300 for t in p) for p in a)
+
+
+def test_sizing_hint_picks_the_smallest_m_that_hides_the_transfers_and_the_balancing_ratio():
+    # m = 1: a layer computes for max(2, 1) = 2 ms; the round trip is 1.5 ms, 1 of it FFN
+    # compute, so 0.5 ms of transfer: 2 * 0.5 <= (k - 2) * 2 / k first holds at k = 4.
+    hint = stats.sizing_hint(2.0, 1.0, 1.5, 1, 1.0)
+    assert hint["best_m"] == 4 and hint["transfer_ms"] == pytest.approx(0.5)
+    assert hint["layer_compute_ms"] == pytest.approx(2.0)
+    # The attention rank is twice as busy as the FFN rank serving it: 2 attention ranks per FFN
+    # rank would balance them; measured with 2 FFN ranks (1:2), 1:1 would.
+    assert hint["balanced_attention_per_ffn"] == pytest.approx(2.0)
+    assert stats.sizing_hint(2.0, 1.0, 1.5, 1, 0.5)["balanced_attention_per_ffn"] == 1.0
+    # Measured at m = 2, each micro-batch is half the layer's work: the same layer, same hint.
+    assert stats.sizing_hint(1.0, 0.5, 1.0, 2, 1.0)["best_m"] == 4
+    # No transfer cost: two micro-batches already overlap the roles.
+    assert stats.sizing_hint(2.0, 1.0, 1.0, 1, 1.0)["best_m"] == 2
+    # A transfer of half the compute or more: no m hides it, and the text says what to do.
+    hint = stats.sizing_hint(2.0, 1.0, 2.0, 1, 1.0)
+    assert hint["best_m"] is None
+    assert "no m up to 8" in stats.describe_sizing(hint, 1.0)
+    assert "m = 4 hides" in stats.describe_sizing(stats.sizing_hint(2.0, 1.0, 1.5, 1, 1.0), 1.0)
+    # Without the times (a metric missing on /metrics) there is no hint.
+    assert stats.sizing_hint(None, 1.0, 1.5, 1, 1.0) is None
+    assert stats.sizing_hint(2.0, 0.0, 1.5, 1, 1.0) is None

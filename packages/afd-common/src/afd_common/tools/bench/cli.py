@@ -209,7 +209,7 @@ class Bench:
                 summary, scrapes = self.measure(label, attention.url,
                                                 {"attention": attention.url, "ffn": ffn.url})
                 out[label] = self._afd_result(label, summary, scrapes, m, moe_layers, startup,
-                                              attention, ffn, link)
+                                              attention, ffn, link, a.ffn_ranks)
         except Exception as e:
             raise ConfigFailed(name, e, (attention, ffn)) from e
         finally:
@@ -220,7 +220,8 @@ class Bench:
 
     @staticmethod
     def _afd_result(name: str, summary: dict, scrapes: dict, m: int, moe_layers: int,
-                    startup: float, attention: Server, ffn: Server, link: str | None) -> dict:
+                    startup: float, attention: Server, ffn: Server, link: str | None,
+                    ffn_ranks: int) -> dict:
         breakdown, missing = stats.afd_breakdown(scrapes, m, moe_layers)
         if missing:
             print(f"warning: {name}: no data for {', '.join(missing)} on /metrics; "
@@ -229,7 +230,14 @@ class Bench:
             print(f"{name}: rows per FFN rank {breakdown['rows_per_ffn_rank']}, imbalance "
                   f"(max / mean) {breakdown['ffn_rank_imbalance']:.2f}", file=sys.stderr,
                   flush=True)
-        return {**summary, **breakdown, "startup_s": startup, "num_micro_batches": m,
+        per_ffn = 1 / ffn_ranks  # afd-bench runs one attention rank
+        sizing = stats.sizing_hint(breakdown["t_a_ms"], breakdown["t_e_ms"],
+                                   breakdown["roundtrip_ms"], m, per_ffn)
+        if sizing is not None:
+            print(f"{name}: sizing hint: {stats.describe_sizing(sizing, per_ffn)}",
+                  file=sys.stderr, flush=True)
+        return {**summary, **breakdown, "sizing": sizing, "startup_s": startup,
+                "num_micro_batches": m,
                 "cores": {"attention": attention.cores, "ffn": ffn.cores}, "omp_threads": 1,
                 "link": link or "loopback", "missing_metrics": missing}
 

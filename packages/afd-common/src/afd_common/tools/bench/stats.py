@@ -12,6 +12,8 @@ Definitions (the same for every configuration):
   wait per (MoE layer, micro-batch), from the roles' histograms over the measured batches.
 * ``eta = m * L * max(t_a, t_e) / t_step``: how much of an attention step the busier side's work
   fills, with ``m`` micro-batches and ``L`` MoE layers (1.0 = the slower side never waits).
+* ``sizing``: the ``m`` that would hide the transfers and the A:F ratio that would balance the
+  roles (``sizing_hint``).
 """
 
 from __future__ import annotations
@@ -104,6 +106,42 @@ def eta(m: int, moe_layers: int, t_a_ms: float | None, t_e_ms: float | None,
     if t_a_ms is None or t_e_ms is None or not t_step_ms:
         return None
     return m * moe_layers * max(t_a_ms, t_e_ms) / t_step_ms
+
+
+MAX_HINT_M = 8
+
+
+def sizing_hint(t_a_ms: float | None, t_e_ms: float | None, roundtrip_ms: float | None, m: int,
+                attention_per_ffn: float) -> dict | None:
+    """Which ``m`` would hide the transfers and which A:F ratio would balance the roles, for this
+    model and load, from one configuration's per-(MoE layer, micro-batch) times.
+
+    A layer's work, ``W = m * max(t_a, t_e)``, is taken to split evenly over the micro-batches
+    and the transfer ``t_c`` (the round trip less the FFN compute in it) not to shrink with them.
+    A layer then takes at least ``W``; the transfers of two micro-batches hide behind the others'
+    compute when ``2 t_c <= (m' - 2) W / m'``, so the hint is the smallest such ``m'`` (None: no
+    ``m'`` up to ``MAX_HINT_M`` does, the transfer is too long for the compute). An FFN rank's
+    work grows with the attention ranks per FFN rank and an attention rank's does not, so
+    ``A/F * t_a / t_e`` balances them. None without the times.
+    """
+    if t_a_ms is None or t_e_ms is None or roundtrip_ms is None or t_a_ms <= 0 or t_e_ms <= 0:
+        return None
+    t_c = max(0.0, roundtrip_ms - t_e_ms)
+    work = m * max(t_a_ms, t_e_ms)
+    best = next((k for k in range(2, MAX_HINT_M + 1) if 2 * t_c <= (k - 2) * work / k), None)
+    return {"transfer_ms": t_c, "layer_compute_ms": work, "best_m": best,
+            "balanced_attention_per_ffn": attention_per_ffn * t_a_ms / t_e_ms}
+
+
+def describe_sizing(hint: dict, attention_per_ffn: float) -> str:
+    """The hint as afd-bench prints it."""
+    overlap = (f"m = {hint['best_m']} hides the transfers" if hint["best_m"] is not None else
+               f"no m up to {MAX_HINT_M} hides the transfers (cut the bytes per layer or use a "
+               "faster link first)")
+    return (f"{overlap} ({hint['transfer_ms']:.2f} ms per layer against "
+            f"{hint['layer_compute_ms']:.2f} ms of compute); attention:FFN ranks "
+            f"{hint['balanced_attention_per_ffn']:.2f}:1 would balance the roles "
+            f"(measured at {attention_per_ffn:.2f}:1)")
 
 
 def moe_layer_count(config: dict) -> int:
