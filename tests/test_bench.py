@@ -254,3 +254,23 @@ def test_sizing_hint_picks_the_smallest_m_that_hides_the_transfers_and_the_balan
     # Without the times (a metric missing on /metrics) there is no hint.
     assert stats.sizing_hint(None, 1.0, 1.5, 1, 1.0) is None
     assert stats.sizing_hint(2.0, 0.0, 1.5, 1, 1.0) is None
+
+
+def test_decode_is_measured_only_where_every_request_decodes():
+    # b's prefill ends at 1.15 (its first token), a finishes at 1.4: the window is (1.15, 1.4].
+    a = RequestTiming(0.0, 1.45, [(1.0, 1), (1.1, 1), (1.2, 1), (1.3, 1), (1.4, 1)])
+    b = RequestTiming(0.0, 1.6, [(1.15, 1), (1.25, 1), (1.35, 1), (1.45, 1), (1.55, 1)])
+    assert stats.decode_window([a, b]) == pytest.approx((1.15, 1.4))
+    s = stats.decode_summary([(1.6, [a, b])])
+    # 3 of a's tokens and 2 of b's arrive in the 0.25 s window (b's first one ends its prefill).
+    assert s["decode_tokens_per_s"] == pytest.approx(5 / 0.25)
+    assert s["decode_window_s"] == pytest.approx(0.25)
+    assert s["decode_tpot_p50_ms"] == pytest.approx(100)
+    assert s["decode_itl_p50_ms"] == pytest.approx(100)
+    # The 0.5 s wait for a's first token (a prefill) is in the end-to-end numbers only.
+    assert stats.summarize([(1.6, [a, b])])["decode_tokens_per_s"] == pytest.approx(20)
+    assert stats.summarize([(1.6, [a, b])])["tokens_per_s"] == pytest.approx(10 / 1.6)
+    # One request done before another's prefill ended: no window, no decode numbers.
+    late = RequestTiming(0.0, 3.0, [(2.0, 1), (2.5, 1)])
+    assert stats.decode_window([a, late]) is None
+    assert stats.decode_summary([(3.0, [a, late])])["decode_tokens_per_s"] is None

@@ -8,6 +8,8 @@ Definitions (the same for every configuration):
   token arrival times; p50/p99 are taken **over requests**. ``itl_*_ms`` are the same
   percentiles over every inter-token gap of every request (a chunk carrying k tokens counts as k
   gaps of 1/k of its delay), which shows stalls that a per-request mean hides.
+* ``decode_tokens_per_s``, ``decode_tpot_*_ms``, ``decode_itl_*_ms``: the same three, counted
+  only inside each batch's ``decode_window``, so no prefill is in them.
 * ``t_a_ms`` / ``t_e_ms`` / ``t_c_ms``: mean attention compute, FFN compute, and attention-side
   wait per (MoE layer, micro-batch), from the roles' histograms over the measured batches.
 * ``eta = m * L * max(t_a, t_e) / t_step``: how much of an attention step the busier side's work
@@ -68,8 +70,50 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1000.0
 
 
+def decode_window(batch: list[RequestTiming]) -> tuple[float, float] | None:
+    """The part of a batch sent at once where every request was decoding: from the last first
+    token (every prefill done) to the first last token (none finished yet). None when the two
+    overlap (a prefill still ran when a request was done)."""
+    streamed = [r for r in batch if r.arrivals]
+    if not streamed:
+        return None
+    start = max(r.arrivals[0][0] for r in streamed)
+    end = min(r.arrivals[-1][0] for r in streamed)
+    return (start, end) if end > start else None
+
+
+def decode_summary(batches: list[tuple[float, list[RequestTiming]]]) -> dict:
+    """Decode measured as decode: tokens, TPOT and inter-token gaps inside each batch's
+    ``decode_window`` only, so no prefill (one's own or another request's) is in them."""
+    seconds, tokens, tpots, gaps = 0.0, 0, [], []
+    for _, batch in batches:
+        window = decode_window(batch)
+        if window is None:
+            continue
+        start, end = window
+        seconds += end - start
+        for r in batch:
+            inside = [(t, n) for t, n in r.arrivals if start < t <= end]
+            tokens += sum(n for _, n in inside)
+            # Gaps that end inside the window and start at or after its beginning.
+            span = [(t, n) for t, n in r.arrivals if start <= t <= end]
+            part = RequestTiming(0.0, 0.0, span)
+            gaps += part.gaps_s()
+            if span and part.tokens - span[0][1] > 0:
+                tpots.append((span[-1][0] - span[0][0]) / (part.tokens - span[0][1]))
+    return {
+        "decode_tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "decode_tpot_p50_ms": _ms(percentile(tpots, 50)),
+        "decode_tpot_p99_ms": _ms(percentile(tpots, 99)),
+        "decode_itl_p50_ms": _ms(percentile(gaps, 50)),
+        "decode_itl_p99_ms": _ms(percentile(gaps, 99)),
+        "decode_window_s": seconds,
+    }
+
+
 def summarize(batches: list[tuple[float, list[RequestTiming]]]) -> dict:
-    """Throughput and latency of measured batches, each given as (wall seconds, requests)."""
+    """Throughput and latency of measured batches, each given as (wall seconds, requests):
+    end to end (prefill included), then decode alone (``decode_summary``)."""
     requests = [r for _, batch in batches for r in batch]
     wall = sum(w for w, _ in batches)
     tokens = sum(r.tokens for r in requests)
@@ -82,6 +126,7 @@ def summarize(batches: list[tuple[float, list[RequestTiming]]]) -> dict:
         "itl_p50_ms": _ms(percentile(gaps, 50)), "itl_p99_ms": _ms(percentile(gaps, 99)),
         "ttft_p50_ms": _ms(percentile(ttfts, 50)),
         "output_tokens": tokens, "requests": len(requests), "wall_s": wall,
+        **decode_summary(batches),
     }
 
 
