@@ -1,12 +1,13 @@
 """How ``scripts/test.sh`` shares the tests between its two pytest-xdist workers.
 
-The end-to-end tests share servers, hosts and the colocated reference, and each starts vLLM
-servers that need both cores while they load but leave one idle for minutes while they wait (for
-the other role, a reconnect timeout, a restarted FFN role). So one worker runs all of them, in
-order, and the other runs the unit and multi-process tests beside them, a file at a time; once it
-has none left it stops, and the end-to-end worker takes any file still queued when it is done.
-(xdist's own ``--dist loadgroup`` would say the same with a marker, but it renames node ids, which
-pytest 9 no longer allows: the groups are silently ignored.)
+The end-to-end tests start vLLM servers that need both cores while they load and leave one idle
+for minutes while they wait (for the other role, a reconnect timeout, a restarted FFN role). So
+one worker runs the end-to-end tests, in order (the big pairs, the ride-through and the hosts
+cases never overlap each other), while the other runs the unit and multi-process tests beside
+them, a file at a time; then the small end-to-end pairs (``any_worker``: 1A1F and the like) go
+one at a time to whichever worker is free. Both share one set of checkpoints and one colocated
+reference (tests/e2e/conftest.py). xdist's own ``--dist loadgroup`` cannot say this: it renames
+node ids, which pytest 9 no longer allows, and its groups are silently ignored.
 """
 
 from __future__ import annotations
@@ -30,15 +31,40 @@ def pytest_configure(config):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def pytest_collection_modifyitems(items):
+    # After everything else: what the scheduler below hands out one at a time.
+    items.sort(key=lambda item: item.get_closest_marker("any_worker") is not None)
+
+
 @pytest.hookimpl(optionalhook=True)  # a hook of xdist's: `-p no:xdist` runs without it
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class EndToEndOnOneWorker(LoadScopeScheduling):
+    class EndToEndBesideTheRest(LoadScopeScheduling):
+        leading: set[str] | None = None
+
         def _split_scope(self, nodeid: str) -> str:
-            return E2E if nodeid.startswith(E2E) else nodeid.split("::", 1)[0]
+            if not nodeid.startswith(E2E):
+                return nodeid.split("::", 1)[0]
+            if self.leading is None:  # the e2e tests before the first other one: one unit
+                self.leading = set()
+                for n in self.collection:
+                    if not n.startswith(E2E):
+                        break
+                    self.leading.add(n)
+            return E2E if nodeid in self.leading else nodeid
+
+        def _reschedule(self, node) -> None:
+            # One test queued behind the running one (a worker must know its next test to run
+            # one), not xdist's up to three: no worker holds back small pairs the other could run.
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+            elif self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
 
     # Collection order, which puts tests/e2e first: the longest worker's share starts at once
     # (xdist would otherwise queue first the files with the most tests).
     config.option.loadscopereorder = False
-    return EndToEndOnOneWorker(config, log)
+    return EndToEndBesideTheRest(config, log)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -98,9 +99,29 @@ def hosts():
         assert not made.leftovers(), f"left behind: {made.leftovers()}"
 
 
+def run_dir(tmp_path_factory) -> Path:
+    """A directory every worker of this run shares: xdist gives each worker a base temporary
+    directory of its own, under one for the run."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
+    """Written once per run, under a lock, by the first worker that asks: every worker serves
+    the same checkpoints the colocated reference answered for."""
+    root = run_dir(tmp_path_factory) / "models"
+    root.mkdir(exist_ok=True)
+    index = root / "index.json"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not index.exists():
+            written = {k: str(v) for k, v in _write_models(root).items()}
+            index.write_text(json.dumps(written))
+        return {k: Path(v) for k, v in json.loads(index.read_text()).items()}
+
+
+def _write_models(root: Path) -> dict[str, Path]:
     out = {arch: write_tiny_model(arch, root / arch, seed=0, num_experts=NUM_EXPERTS[arch])
            for arch in ARCHS}
     # Same weights except the routed experts that the last FFN rank owns: a negative control.
@@ -219,11 +240,23 @@ class RequestStream:
 class ColocatedReference:
     """The reference: colocated vLLM per checkpoint, same engine flags, same prompts (vLLM's
     offline engine, ``colocated_reference.py``), in two processes (one core each, every other
-    job); ``"<arch>-mixed"`` holds the token ids of the 64-request mixed load. Started with the
-    first e2e test and left to run beside it: the first tests (one FFN role that waits, attention
-    roles started one after another) leave a core idle."""
+    job); ``"<arch>-mixed"`` holds the token ids of the 64-request mixed load. Computed once per
+    run by the first worker that starts an end-to-end test, beside that test (the first tests,
+    one FFN role that waits and attention roles started one after another, leave a core idle),
+    and written to ``answers_path``, where every worker reads it."""
 
-    def __init__(self, models: dict[str, Path], logs: Path):
+    WAIT_S = 900
+
+    def __init__(self, models: dict[str, Path], logs: Path, answers_path: Path, compute: bool):
+        self.path, self.failed = answers_path, answers_path.with_suffix(".failed")
+        self.procs: list[tuple[subprocess.Popen, Path]] = []
+        self.start = time.monotonic()
+        self._answers: dict[str, list] | None = None
+        self.done = ""
+        if compute:
+            self._compute(models, logs)
+
+    def _compute(self, models: dict[str, Path], logs: Path) -> None:
         jobs = [{"key": arch, "model": str(models[arch]), "prompts": PROMPTS[:NUM_PROMPTS],
                  "max_tokens": [32] * NUM_PROMPTS} for arch in ARCHS]
         jobs += [{"key": f"{arch}-{RIDE_THROUGH_TOKENS}", "model": str(models[arch]),
@@ -234,8 +267,6 @@ class ColocatedReference:
         jobs.insert(1, {"key": "deepseek_v2-mixed", "model": str(models["deepseek_v2"]),
                         "prompts": [p for p, _ in mixed], "max_tokens": [n for _, n in mixed]})
         script = Path(__file__).with_name("colocated_reference.py")
-        self.procs = []
-        self.start, self.num_jobs = time.monotonic(), len(jobs)
         for core in (0, 1):
             share, out = logs / f"colocated-jobs-{core}.json", logs / f"colocated-{core}.json"
             share.write_text(json.dumps(jobs[core::2]))
@@ -245,20 +276,40 @@ class ColocatedReference:
                 [sys.executable, str(script), str(share), str(out)], stdout=log,
                 stderr=subprocess.STDOUT, env=env), out))
             log.close()
-        self._answers: dict[str, list] | None = None
+        threading.Thread(target=self._collect, args=(len(jobs),), daemon=True).start()
+
+    def _collect(self, num_jobs: int) -> None:
+        """Wait for both processes, then publish their answers (or why there are none)."""
+        answers: dict[str, list] = {}
+        for proc, out in self.procs:
+            rc = proc.wait()
+            if rc != 0:
+                self.failed.write_text(f"colocated reference failed ({rc}):\n" + "\n".join(
+                    out.with_suffix(".log").read_text(errors="replace").splitlines()[-40:]))
+                return
+            answers.update(json.loads(out.read_text()))
+        answers["deepseek_v2-mixed"] = [a["tokens"] for a in answers["deepseek_v2-mixed"]]
+        partial = self.path.with_suffix(".partial")
+        partial.write_text(json.dumps(answers))
+        os.replace(partial, self.path)  # readers never see half a file
+        # Said by answers(), in the test's thread: pytest's capture is not this thread's to lift.
+        self.done = f"colocated references for {num_jobs} jobs done " \
+                    f"{time.monotonic() - self.start:.0f} s after they started"
 
     def answers(self) -> dict[str, list]:
-        if self._answers is None:
-            answers: dict[str, list] = {}
-            for proc, out in self.procs:
-                rc = proc.wait(timeout=900)
-                assert rc == 0, f"colocated reference failed ({rc}):\n" + "\n".join(
-                    out.with_suffix(".log").read_text(errors="replace").splitlines()[-40:])
-                answers.update(json.loads(out.read_text()))
-            say(f"colocated references for {self.num_jobs} jobs done "
-                f"{time.monotonic() - self.start:.0f} s after they started")
-            answers["deepseek_v2-mixed"] = [a["tokens"] for a in answers["deepseek_v2-mixed"]]
-            self._answers = answers
+        end = time.monotonic() + self.WAIT_S
+        while self._answers is None:
+            if self.path.exists():
+                self._answers = json.loads(self.path.read_text())
+                if self.done:
+                    say(self.done)
+            elif self.failed.exists():
+                raise AssertionError(self.failed.read_text())
+            elif time.monotonic() > end:
+                raise AssertionError(f"no colocated reference in {self.path} after "
+                                     f"{self.WAIT_S} s")
+            else:
+                time.sleep(0.5)
         return self._answers
 
     def close(self) -> None:
@@ -269,8 +320,14 @@ class ColocatedReference:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _colocated_reference(models, logs):
-    reference = ColocatedReference(models, logs)
+def _colocated_reference(models, logs, tmp_path_factory):
+    path = run_dir(tmp_path_factory) / "colocated-answers.json"
+    try:  # the first worker to get here computes it
+        os.close(os.open(path.with_suffix(".claim"), os.O_CREAT | os.O_EXCL))
+        first = True
+    except FileExistsError:
+        first = False
+    reference = ColocatedReference(models, logs, path, compute=first)
     yield reference
     reference.close()
 

@@ -87,6 +87,12 @@ class Case:
     attention_restart: bool = False  # SIGKILL the attention role, start another: same FFN role
 
     @property
+    def small(self) -> bool:
+        """One attention and one FFN rank on loopback, no restart: may run beside anything."""
+        return (self.A == self.F == 1 and not self.hosts and not self.ride_through
+                and not self.attention_restart)
+
+    @property
     def id(self) -> str:
         place = "sharded" if self.sharded else "replicated"
         return (f"{self.arch}-gate_on_{'attention' if self.gate_on_attention else 'ffn'}-"
@@ -162,7 +168,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=c.id, marks=[pytest.mark.any_worker] if c.small else []) for c in CASES])
 def test_afd_matches_colocated_then_the_ffn_role_outlives_its_attention_role(case, models,
                                                                            colocated, logs,
                                                                            request):
@@ -493,6 +500,7 @@ CONTROLS = [Control("qwen3_moe", f"qwen3_moe-other-experts-f{SHARDED_CONTROL_RAN
             *(Control(arch, f"{arch}-other-experts") for arch in FAMILY_CONTROLS)]
 
 
+@pytest.mark.any_worker
 @pytest.mark.parametrize("control", CONTROLS, ids=[c.id for c in CONTROLS])
 def test_negative_control_and_sigterm_on_ffn_ends_both(control, models, colocated, logs):
     """Then SIGTERM on the FFN server ends both roles within 30 s when the attention role is
