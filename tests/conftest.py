@@ -25,15 +25,20 @@ PR_SET_PDEATHSIG = 1
 
 def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER") and sys.platform == "linux":
-        # A worker would outlive a killed run (CI's timeout) and keep its servers and network
-        # namespaces: it gets the SIGTERM too, which the fixtures that own those turn into a
-        # teardown (tests/e2e/conftest.py).
+        # A worker would outlive a killed run (CI's timeout) and go on starting servers: it gets
+        # the SIGTERM too, which the hosts fixture turns into a teardown that removes its
+        # network namespaces (tests/e2e/conftest.py), as in a run without workers.
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def pytest_collection_modifyitems(items):
-    # After everything else: what the scheduler below hands out one at a time.
-    items.sort(key=lambda item: item.get_closest_marker("any_worker") is not None)
+    # The end-to-end tests that share a worker first, whatever paths were given; the ones the
+    # scheduler below hands out one at a time last.
+    def rank(item) -> int:
+        if item.get_closest_marker("any_worker") is not None:
+            return 2
+        return 0 if item.nodeid.startswith(E2E) else 1
+    items.sort(key=rank)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of xdist's: `-p no:xdist` runs without it
@@ -59,10 +64,14 @@ def pytest_xdist_make_scheduler(config, log):
             # one), not xdist's up to three: no worker holds back small pairs the other could run.
             if node.shutting_down:
                 return
+            while self.workqueue and self._pending_of(self.assigned_work[node]) <= 1:
+                scope, unit = next(iter(self.workqueue.items()))
+                if all(unit.values()):  # a crashed worker's finished tests, put back by xdist:
+                    del self.workqueue[scope]  # sent, they would leave this worker waiting
+                    continue
+                self._assign_work_unit(node)
             if not self.workqueue:
                 node.shutdown()
-            elif self._pending_of(self.assigned_work[node]) <= 1:
-                self._assign_work_unit(node)
 
     # Collection order, which puts tests/e2e first: the longest worker's share starts at once
     # (xdist would otherwise queue first the files with the most tests).

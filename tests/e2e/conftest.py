@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -254,7 +255,12 @@ class ColocatedReference:
         self._answers: dict[str, list] | None = None
         self.done = ""
         if compute:
-            self._compute(models, logs)
+            try:
+                self._compute(models, logs)
+            except BaseException:
+                self.failed.write_text(f"colocated reference failed to start:\n"
+                                       f"{traceback.format_exc()}")
+                raise
 
     def _compute(self, models: dict[str, Path], logs: Path) -> None:
         jobs = [{"key": arch, "model": str(models[arch]), "prompts": PROMPTS[:NUM_PROMPTS],
@@ -279,22 +285,27 @@ class ColocatedReference:
         threading.Thread(target=self._collect, args=(len(jobs),), daemon=True).start()
 
     def _collect(self, num_jobs: int) -> None:
-        """Wait for both processes, then publish their answers (or why there are none)."""
-        answers: dict[str, list] = {}
-        for proc, out in self.procs:
-            rc = proc.wait()
-            if rc != 0:
-                self.failed.write_text(f"colocated reference failed ({rc}):\n" + "\n".join(
-                    out.with_suffix(".log").read_text(errors="replace").splitlines()[-40:]))
-                return
-            answers.update(json.loads(out.read_text()))
-        answers["deepseek_v2-mixed"] = [a["tokens"] for a in answers["deepseek_v2-mixed"]]
-        partial = self.path.with_suffix(".partial")
-        partial.write_text(json.dumps(answers))
-        os.replace(partial, self.path)  # readers never see half a file
-        # Said by answers(), in the test's thread: pytest's capture is not this thread's to lift.
-        self.done = f"colocated references for {num_jobs} jobs done " \
-                    f"{time.monotonic() - self.start:.0f} s after they started"
+        """Wait for both processes, then publish their answers or why there are none: a reader
+        must never wait out its bound for a reference that failed."""
+        try:
+            answers: dict[str, list] = {}
+            for proc, out in self.procs:
+                rc = proc.wait()
+                if rc != 0:
+                    self.failed.write_text(f"colocated reference failed ({rc}):\n" + "\n".join(
+                        out.with_suffix(".log").read_text(errors="replace").splitlines()[-40:]))
+                    return
+                answers.update(json.loads(out.read_text()))
+            answers["deepseek_v2-mixed"] = [a["tokens"] for a in answers["deepseek_v2-mixed"]]
+            # Said by answers(), in the test's thread: pytest's capture is not this thread's.
+            self.done = (f"colocated references for {num_jobs} jobs done "
+                         f"{time.monotonic() - self.start:.0f} s after they started")
+            partial = self.path.with_suffix(".partial")
+            partial.write_text(json.dumps(answers))
+            os.replace(partial, self.path)  # readers never see half a file
+        except BaseException:
+            self.failed.write_text(f"colocated reference failed:\n{traceback.format_exc()}")
+            raise
 
     def answers(self) -> dict[str, list]:
         end = time.monotonic() + self.WAIT_S
