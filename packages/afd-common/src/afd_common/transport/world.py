@@ -228,12 +228,13 @@ class AFDWorld:
             logger.debug("%s: could not leave the refusal for the peers: %s", self.what, e)
 
     def _linger(self, store: dist.Store) -> None:
-        """A peer that said hello may still be comparing: closing the store under it would leave
-        it a bare "lost the rendezvous". So wait for each one's acknowledgement, boundedly."""
+        """A peer that claimed its place may still be on its way to its hello or comparing:
+        closing the store under it would leave it a bare "lost the rendezvous". So wait for each
+        one's acknowledgement, boundedly."""
         end = time.monotonic() + REFUSAL_LINGER_S
         others = [r for r in range(self.world_size) if r != self.rank]
         while time.monotonic() < end:
-            if not any(store.check([f"afd/hello/{r}"])
+            if not any(store.check([f"afd/claim/{r}"])
                        and not store.check([f"afd/refusal_seen/{r}"]) for r in others):
                 return
             time.sleep(0.05)
