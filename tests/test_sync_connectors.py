@@ -3,7 +3,6 @@
 CAMP2p moves its rows through the portable afd_ascend.a2e/e2a kernels over Gloo."""
 
 import functools
-import time
 
 import pytest
 import torch
@@ -120,7 +119,6 @@ def test_cam_p2p_refuses_fewer_attention_than_ffn_ranks_before_any_socket():
 def test_peer_killed_mid_step_fails_fast(connector):
     timeout = 8.0
     spec = Spec(2, 1, connector=connector, steps=5, timeout_s=timeout)
-    start = time.monotonic()
     results = run_world(spec, deadline_s=60, rank_fns={
         ("ffn", 0): functools.partial(ffn_rank_dying_at, die_at=(2, 1))})
     by = {(r.role, r.rank): r for r in results}
@@ -133,7 +131,8 @@ def test_peer_killed_mid_step_fails_fast(connector):
         # Measured from the moment the parent saw the FFN process gone.
         assert r.seconds - by[("ffn", 0)].seconds < timeout + 2, (r.seconds,
                                                                   by[("ffn", 0)].seconds)
-    assert time.monotonic() - start < timeout + 20
+    # Not the whole test's time: that is mostly three ranks importing torch, which a loaded
+    # machine stretches (31 s beside the end-to-end worker); run_world's deadline bounds a hang.
 
 
 def test_attention_side_refuses_bad_input_before_sending():
