@@ -99,8 +99,8 @@ def decode_summary(batches: list[tuple[float, list[RequestTiming]]]) -> dict:
             span = [(t, n) for t, n in r.arrivals if start <= t <= end]
             part = RequestTiming(0.0, 0.0, span)
             gaps += part.gaps_s()
-            if span and part.tokens - span[0][1] > 0:
-                tpots.append((span[-1][0] - span[0][0]) / (part.tokens - span[0][1]))
+            if part.tpot_s is not None:
+                tpots.append(part.tpot_s)
     return {
         "decode_tokens_per_s": tokens / seconds if seconds > 0 else None,
         "decode_tpot_p50_ms": _ms(percentile(tpots, 50)),
