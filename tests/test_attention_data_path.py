@@ -22,12 +22,14 @@ import numpy as np
 import pytest
 import torch
 
+from afd_attention.loopback_connector import LoopbackAttentionConnector
 from afd_attention.micro_batches import MicroBatchPipeline, split_on_requests
 from afd_attention.session import AttentionSession
 from afd_common.vllm_glue import lifecycle
 from afd_common.config import parse_afd_config
 from afd_common.transport.loopback import LoopbackGroup, _Hub
 from afd_common.metadata import ModelShape
+from afd_common.metrics import Recorder
 from afd_common.placement import placement_for
 from afd_common.vllm_glue.server_root import SERVER_PID_ENV
 from afd_common.registry import resolve_connector
@@ -146,6 +148,7 @@ class Deployment:
                                      topk_weights=weights, topk_ids=ids)
         return x
 
+    @torch.inference_mode()  # as vLLM's runner runs its forwards
     def forward(self, a: int, x: torch.Tensor, query_lens: list[int] | None) -> torch.Tensor:
         """What the runner does with one vLLM step: split on request boundaries into at most m
         micro-batches (``query_lens`` None: a dummy batch, never split), run it again from its
@@ -280,8 +283,16 @@ def test_dp_ranks_lost_a_forward_apart_line_up_on_the_next_ffn_role(deploy, monk
     rank 1 finished the step, rank 0 runs it again. vLLM's DP ranks step together, so rank 1
     cannot start its next step before rank 0 finished this one; the new FFN role's first step
     must pair rank 0's re-run with an empty step of rank 1 (told in the handshake), or both
-    wait for each other until a timeout."""
+    wait for each other until a timeout. The empty step adds to the device counters that the
+    forwards made, as CAMP2pAFDConnector's metrics do: it must run in inference mode as they do."""
     d = deploy(2, 1, m, reconnect_timeout_s=30)
+    send_rows, rec = LoopbackAttentionConnector.send_attn_output, Recorder("attention", CONNECTOR)
+
+    def send_counting_rows_on_the_device(self, hidden_states, *args):
+        rec.routed_per_rank(torch.tensor([hidden_states.shape[0]]))
+        return send_rows(self, hidden_states, *args)
+    monkeypatch.setattr(LoopbackAttentionConnector, "send_attn_output",
+                        send_counting_rows_on_the_device)
     send = LoopbackFFNConnector.send_ffn_output
     armed = []
 

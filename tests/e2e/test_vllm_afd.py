@@ -327,7 +327,7 @@ def ffn_restarts_under_load(pair, case: Case, colocated, logs) -> None:
                 kill_all(server)
             else:
                 server.signal(signal.SIGTERM)
-        assert wait_gone(pair.ffn_ranks, 30), [s.log_tail() for s in pair.ffn_ranks]
+        assert wait_gone(pair.ffn_ranks, 30), "\n".join(s.log_tail() for s in pair.ffn_ranks)
         while pair.attention.health() != 503 and time.monotonic() < lost + RESTART_AFTER_S:
             time.sleep(0.2)
         waiting = json.loads(get(pair.attention.url + "/health", ok_only=False))
@@ -344,7 +344,8 @@ def ffn_restarts_under_load(pair, case: Case, colocated, logs) -> None:
             f"{waiting['reason']!r}, {len(waiting['ranks'])} rank(s) waiting; back "
             f"{time.monotonic() - lost:.0f} s after the loss")
     errors = [(i, out) for i, out in stream.results if not isinstance(out, list)]
-    assert not errors, (errors[:3], afd_log_lines(pair.attention))
+    # A string: pytest cuts any other message to a line, and the log is what says why.
+    assert not errors, f"{errors[:3]}\n{afd_log_lines(pair.attention)}"
     wrong = [i for i, out in stream.results if out != reference[i]]
     assert not wrong, f"{len(wrong)} of {len(stream.results)} requests differ: prompts {wrong}"
     assert [s.proc.pid for s in pair.attention_ranks] == pids and not any(
@@ -429,7 +430,7 @@ def cut_link_fails_fast(pair, hosts: Hosts) -> None:
         time.sleep(1)
     say(f"every FFN rank waits for the next attention role {time.monotonic() - cut:.1f} s "
         f"after the cut")
-    assert state == "waiting" and logged, [s.log_tail() for s in pair.ffn_ranks]
+    assert state == "waiting" and logged, "\n".join(s.log_tail() for s in pair.ffn_ranks)
     assert not any(s.exited() for s in pair.ffn_ranks)
 
 

@@ -260,10 +260,12 @@ class AttentionSession:
             self._end(f"{reason}; no FFN role came back within reconnect_timeout_s "
                       f"({budget:g} s): {e}")
 
+    @torch.inference_mode()
     def _catch_up(self, connector: AttentionConnector) -> None:
         """The empty steps the handshake asked for (``catch_up_steps``): each one's every layer
         and stage, without rows, so that this rank's next forward is the other ranks' next step
-        too."""
+        too. They run in inference mode, as vLLM's forwards do: the connector adds to tensors
+        those forwards made (its metrics' device counters), which outside it would raise."""
         n = connector.catch_up_steps if self._lock_step else 0
         if not n:
             return
