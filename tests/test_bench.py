@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from afd_common.tools.bench import prom, report, stats
+from afd_common.tools.bench import prom, report, stats, sweep
 from afd_common.tools.bench.options import parse_args, parse_cores
 from afd_common.tools.bench.load import make_prompts
 from afd_common.tools.bench.stats import RequestTiming
@@ -210,8 +210,20 @@ def test_cli_defaults_and_validation():
     full = parse_args(["--concurrency", "3"])
     assert (full.concurrency, full.output_len) == (3, 64) and full.mb_list == [1, 2, 3]
     assert parse_cores("2-3") == [2, 3] and parse_cores("0,5") == [0, 5]
+    # The model length follows the load, 512 at the least, and the KV cache the tokens.
+    assert (full.max_model_len, full.kv_cache_gib) == (512, 0.5)
+    long = parse_args(["--prompt-len", "1000", "--output-len", "100", "--concurrency", "16"])
+    assert long.max_model_len == 1100 and long.kv_cache_gib == pytest.approx(16 * 1100 / 2**14)
+    assert parse_args(["--prompt-len", "1000", "--kv-cache-gib", "3"]).kv_cache_gib == 3
+    sweep = parse_args(["--preset", "sweep"])
+    assert (sweep.concurrency, sweep.output_len, sweep.repeats) == (8, 32, 1)
+    assert sweep.context_list == sweep.prompt_lens == [128, 512, 1024, 2048]
+    assert sweep.max_model_len == 2048 + 32 and full.context_list == [] and full.prompt_lens == [16]
+    assert parse_args(["--preset", "sweep", "--contexts", "64,32,64"]).context_list == [32, 64]
     for bad in (["--cores", "0"], ["--cores", "1,1"], ["--micro-batches", "0"],
-                ["--output-len", "600"], ["--micro-batches", "x"]):
+                ["--micro-batches", "x"], ["--preset", "sweep", "--contexts", "0"],
+                ["--preset", "sweep", "--contexts", "a"], ["--preset", "long"],
+                ["--preset", "sweep", "--hosts", "1gbit"], ["--kv-cache-gib", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -274,3 +286,100 @@ def test_decode_is_measured_only_where_every_request_decodes():
     late = RequestTiming(0.0, 3.0, [(2.0, 1), (2.5, 1)])
     assert stats.decode_window([a, late]) is None
     assert stats.decode_summary([(3.0, [a, late])])["decode_tokens_per_s"] is None
+
+
+def _sweep_results() -> dict:
+    """Two contexts: at 128 the FFN role's compute dominates, at 1024 the roles balance."""
+    def run(tps, itl, **afd):
+        return {"status": "ok", "decode_tokens_per_s": tps, "decode_itl_p50_ms": itl,
+                "decode_itl_p99_ms": itl * 1.5, "decode_tpot_p50_ms": itl,
+                "decode_tpot_p99_ms": itl * 1.2, "tpot_p50_ms": 999.0, "ttft_p50_ms": 500.0,
+                "tokens_per_s": tps / 2, **afd}
+    out = {}
+    for c, attn, ffn in ((128, 10.0, 30.0), (1024, 40.0, 42.0)):
+        out[f"{c}/colocated_t1"] = run(100.0, 80.0)
+        out[f"{c}/colocated_t2"] = run(200.0, 40.0)
+        out[f"{c}/afd_m1"] = run(150.0, 53.0, t_a_ms=attn / 8, t_e_ms=ffn / 8, t_step_ms=50.0,
+                                 attention_compute_ms_per_step=attn,
+                                 ffn_compute_ms_per_step=ffn)
+    out["1024/afd_m2"] = report.empty_result("failed", error="afd_m2 failed: boom")
+    return out
+
+
+def test_sweep_entries_are_decode_only_with_ratios_ideal_and_the_balance(tmp_path):
+    args = parse_args(["--preset", "sweep", "--contexts", "128,1024", "--micro-batches", "1,2"])
+    doc = sweep.contexts(_sweep_results(), args, moe_layers=8)
+    assert list(doc) == ["128", "1024"]
+    at = doc["1024"]
+    assert at["colocated"]["source"] == "colocated_t2"
+    m1 = at["afd_m1"]
+    assert m1["ratio_vs_colocated"] == pytest.approx(0.75)
+    # tpot/itl are the decode ones, not the end-to-end TPOT that holds the prefill.
+    assert m1["tpot_p50_ms"] == 53.0 and m1["itl_p99_ms"] == pytest.approx(79.5)
+    # Ideal: 1 * 8 * max(5, 5.25) = 42 ms of overlapped compute + 3 ms outside the forward
+    # (a 53 ms decode step, 50 of it the forward); 8 requests per step.
+    assert m1["ideal_step_ms"] == pytest.approx(45.0)
+    assert m1["ideal_ratio_vs_colocated"] == pytest.approx(8 * 1000 / 45.0 / 200.0)
+    assert at["afd_m2"]["status"] == "failed" and at["afd_m2"]["ratio_vs_colocated"] is None
+    assert doc["128"]["afd_m2"]["status"] == "not run"
+    required = {"decode_tokens_per_s", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms"}
+    afd_required = required | {"t_a_ms", "t_e_ms", "t_c_ms", "eta", "ideal_step_ms",
+                               "ratio_vs_colocated"}
+    for entries in doc.values():
+        for name, entry in entries.items():
+            assert (afd_required if name.startswith("afd") else required) <= set(entry), name
+    balance = sweep.balance_context(doc, args)
+    assert balance == 1024
+    path = sweep.write_json(tmp_path / "bench.json", {"model": {}}, doc, balance)
+    written = json.loads(path.read_text())
+    assert written["balance_context"] == 1024 and set(written["contexts"]) == {"128", "1024"}
+    text = sweep.table(doc, balance)
+    assert "1024 <- balance" in text and "afd_m2 FAILED" in text and "0.75" in text
+    png = sweep.write_chart(tmp_path / "bench.png", doc, balance, ["afd_m1", "afd_m2"], "t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ideal_step_and_balance_context():
+    assert stats.ideal_step_ms(2, 4, 1.0, 3.0, 30.0, 35.0) == pytest.approx(2 * 4 * 3 + 5)
+    # A forward longer than the measured step (noise) adds nothing outside it.
+    assert stats.ideal_step_ms(1, 4, 1.0, 3.0, 30.0, 29.0) == pytest.approx(12.0)
+    assert stats.ideal_step_ms(1, 4, None, 3.0, 30.0, 29.0) is None
+    # Closest in ratio, not in difference: 10 vs 20 is further apart than 100 vs 150.
+    assert stats.balance_context({128: (10.0, 20.0), 2048: (150.0, 100.0)}) == 2048
+    assert stats.balance_context({128: (None, 20.0)}) is None
+
+
+def test_a_batch_calls_back_once_every_request_decodes():
+    """run_batch's on_decoding: once, after every request's first token, before the last."""
+    import http.server
+    import threading
+    import time
+
+    from afd_common.tools.bench.load import run_batch
+
+    class Stream(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            delay = 0.05 * body["prompt"][0]  # a longer prefill for the second request
+            self.send_response(200)
+            self.end_headers()
+            for i in range(body["max_tokens"]):
+                time.sleep(delay if i == 0 else 0.05)
+                chunk = {"choices": [{"token_ids": [i]}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    called = []
+    try:
+        wall, timings = run_batch(f"http://127.0.0.1:{server.server_port}", "m", [[1], [4]], 6,
+                                  on_decoding=lambda: called.append(time.perf_counter()))
+    finally:
+        server.shutdown()
+    firsts = [t.arrivals[0][0] for t in timings]
+    assert len(called) == 1 and max(firsts) <= called[0] < min(t.t_end for t in timings)

@@ -8,12 +8,13 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from afd_common.tools.bench import load, prom, report, stats
+from afd_common.tools.bench import load, prom, report, stats, sweep
 from afd_common.tools.bench.environment import cpu_model, prepare_model, say, versions
 from afd_common.tools.bench.hosts import Hosts
-from afd_common.tools.bench.options import MAX_MODEL_LEN, parse_args
+from afd_common.tools.bench.options import parse_args
 from afd_common.tools.launch import Server, afd_args, free_port, wait_gone
 
 ATTENTION_HOST, FFN_HOST = 0, 1  # --hosts: the roles' namespaces
@@ -100,20 +101,32 @@ def _scrape(name: str, role: str, url: str) -> list[prom.Sample]:
         return []
 
 
+@dataclass
+class Point:
+    """One load every server is measured at: a prompt length, its warm-up and its batches."""
+    prompt_len: int
+    warmup: list[list[int]]
+    batches: list[list[list[int]]]
+
+
 class Bench:
     def __init__(self, args, model: Path, tokenizer_vocab: int):
         self.args, self.model = args, str(model)
         self.started: list[Server] = []  # every server ever started, stopped again at the end
-        # The same KV cache everywhere, sized for the load rather than for a fraction of RAM:
-        # less to allocate at start-up, and room for other processes on a small machine.
-        self.server_args = ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
+        # The same KV cache and model length everywhere, sized for the load rather than for a
+        # fraction of RAM: less to allocate at start-up, room for other processes.
+        self.server_args = ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)),
+                            "--max-model-len", str(args.max_model_len)]
         self.logs = args.out / "logs"
         a, f = args.core_list
         self.cores = {"colocated_t1": [a], "colocated_t2": [a, f], "attention": [a], "ffn": [f]}
-        self.warmup = load.make_prompts(args.concurrency, args.prompt_len, tokenizer_vocab,
-                                        seed=args.seed + 1000)
-        self.batches = [load.make_prompts(args.concurrency, args.prompt_len, tokenizer_vocab,
-                                          seed=args.seed + i) for i in range(args.repeats)]
+        # A sweep warms each context up with two requests (the server is warm by then: this
+        # only runs the new shapes once); a single load with a whole batch.
+        warm = 2 if args.context_list else args.concurrency
+        self.points = [Point(n, load.make_prompts(warm, n, tokenizer_vocab, seed=args.seed + 1000),
+                             [load.make_prompts(args.concurrency, n, tokenizer_vocab,
+                                                seed=args.seed + i) for i in range(args.repeats)])
+                       for n in args.prompt_lens]
 
     def _start(self, server: Server, cores: list[int]) -> Server:
         server.cores = ",".join(map(str, cores))
@@ -122,17 +135,33 @@ class Bench:
         self.started.append(server)
         return server
 
-    def measure(self, name: str, url: str, metrics_urls: dict[str, str]) -> tuple[dict, dict]:
-        """Warm-up, scrape, measured batches, scrape. Returns (summary, scrapes)."""
+    def measure(self, name: str, url: str, metrics_urls: dict[str, str],
+                point: Point) -> tuple[dict, dict]:
+        """Warm-up, then the measured batches, each role's /metrics scraped when every request
+        of a batch has its first token (the prefills are done) and when the batch is over: the
+        breakdown is of decode steps only. Returns (summary, scrapes): a role's scrapes are
+        every batch's (before, after) samples together, whose sums grow by the decode steps'."""
         a = self.args
-        load.run_batch(url, self.model, self.warmup, a.warmup_tokens, a.request_timeout,
+        load.run_batch(url, self.model, point.warmup, a.warmup_tokens, a.request_timeout,
                        desc=f"{name} warm-up")
-        before = {role: _scrape(name, role, u) for role, u in metrics_urls.items()}
-        batches = [load.run_batch(url, self.model, prompts, a.output_len, a.request_timeout,
-                                  desc=f"{name} {i + 1}/{len(self.batches)}")
-                   for i, prompts in enumerate(self.batches)]
-        after = {role: _scrape(name, role, u) for role, u in metrics_urls.items()}
+        before: dict[str, list] = {role: [] for role in metrics_urls}
+        after: dict[str, list] = {role: [] for role in metrics_urls}
+
+        def decoding():
+            for role, u in metrics_urls.items():
+                before[role] += _scrape(name, role, u)
+        batches = []
+        for i, prompts in enumerate(point.batches):
+            batches.append(load.run_batch(url, self.model, prompts, a.output_len,
+                                          a.request_timeout, desc=f"{name} {i + 1}/"
+                                          f"{len(point.batches)}", on_decoding=decoding))
+            for role, u in metrics_urls.items():
+                after[role] += _scrape(name, role, u)
         return stats.summarize(batches), {r: (before[r], after[r]) for r in metrics_urls}
+
+    def key(self, point: Point, config: str) -> str:
+        """Where a measurement goes: the configuration, at a context in a sweep."""
+        return f"{point.prompt_len}/{config}" if self.args.context_list else config
 
     def colocated(self, names: list[str]) -> dict[str, dict]:
         """The colocated settings start together (two import chains on two cores take about
@@ -155,12 +184,17 @@ class Bench:
             waiting.done(", ".join(f"{n}: ready after {t:.0f} s" for n, t in startup.items()))
             for name in startup:
                 server = servers[name]
-                try:
-                    summary, _ = self.measure(name, server.url, {})
-                    results[name] = {**summary, "startup_s": startup[name],
-                                     "cores": server.cores, "omp_threads": len(self.cores[name])}
-                except Exception as e:  # noqa: BLE001 - reported per setting
-                    results[name] = ConfigFailed(name, e, (server,))
+                for point in self.points:
+                    key = self.key(point, name)
+                    try:
+                        summary, _ = self.measure(key, server.url, {}, point)
+                        results[key] = {**summary, "startup_s": startup[name],
+                                        "cores": server.cores,
+                                        "omp_threads": len(self.cores[name])}
+                    except Exception as e:  # noqa: BLE001 - reported per setting
+                        results[key] = ConfigFailed(key, e, (server,))
+                        if server.exited():
+                            break
                 stop_all([server])
         finally:
             stop_all(list(servers.values()))
@@ -203,13 +237,15 @@ class Bench:
             startup = time.monotonic() - t0
             waiting.done(f"{name}: both roles ready after {startup:.0f} s")
             for link in links:
-                label = config_name(m, link)
                 if hosts is not None:
                     hosts.cap(FFN_HOST, None if link == UNLIMITED else link)
-                summary, scrapes = self.measure(label, attention.url,
-                                                {"attention": attention.url, "ffn": ffn.url})
-                out[label] = self._afd_result(label, summary, scrapes, m, moe_layers, startup,
-                                              attention, ffn, link, a.ffn_ranks)
+                for point in self.points:
+                    label = self.key(point, config_name(m, link))
+                    summary, scrapes = self.measure(label, attention.url,
+                                                    {"attention": attention.url, "ffn": ffn.url},
+                                                    point)
+                    out[label] = self._afd_result(label, summary, scrapes, m, moe_layers,
+                                                  startup, attention, ffn, link, a.ffn_ranks)
         except Exception as e:
             raise ConfigFailed(name, e, (attention, ffn)) from e
         finally:
@@ -291,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                     outcomes = bench.afd(int(m), moe_layers, hosts if on_hosts else None)
                 except ConfigFailed as e:
                     outcomes = ({config_name(m, link): e for link in host_links(args)}
-                                if on_hosts else {name: e})
+                                if on_hosts else {bench.key(p, name): e for p in bench.points})
             for config, outcome in outcomes.items():
                 if isinstance(outcome, ConfigFailed):
                     if str(outcome) not in errors:
@@ -308,8 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         if hosts is not None:
             hosts.close()
 
-    ordered = finish(results, args, info, moe_layers, model, time.monotonic() - started)
-    print(report.table(ordered))
+    print(finish(results, args, info, moe_layers, model, time.monotonic() - started))
     print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'} "
           f"({time.monotonic() - started:.0f} s in all)")
     if interrupted:
@@ -320,8 +355,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_s: float):
-    """Ratios, the ``colocated`` pick, then bench.json and bench.png; returns the ordered dict."""
+def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_s: float) -> str:
+    """Ratios, the ``colocated`` pick, then bench.json and bench.png; returns the table."""
+    setup = _setup(args, info, moe_layers, total_s)
+    m = setup["model"]
+    title = (f"{m['arch']} h{m['hidden_size']} L{m['num_layers']} E{m['num_experts']} "
+             f"top{m['top_k']}, {args.concurrency} req x {args.output_len} tok, "
+             f"cores {args.cores}" + ("; @RATE: roles on two hosts" if args.rates else ""))
+    if args.context_list:
+        doc = sweep.contexts(results, args, moe_layers)
+        balance = sweep.balance_context(doc, args)
+        sweep.write_json(args.out / "bench.json", setup, doc, balance)
+        sweep.write_chart(args.out / "bench.png", doc, balance,
+                          [f"afd_m{m}" for m in args.mb_list], title)
+        return sweep.table(doc, balance)
     colocated = {k: results.get(k, {}) for k in ("colocated_t1", "colocated_t2")}
     best = stats.faster({k: v for k, v in colocated.items() if v.get("status") == "ok"})
     base = best[1]["tokens_per_s"] if best else None
@@ -337,8 +384,15 @@ def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_
         for link in host_links(args):
             ordered[config_name(m, link)] = results.get(config_name(m, link),
                                                         report.empty_result(link=link))
+    report.write_json(args.out / "bench.json", setup, ordered)
+    report.write_chart(args.out / "bench.png", ordered, title)
+    return report.table(ordered)
+
+
+def _setup(args, info: dict, moe_layers: int, total_s: float) -> dict:
+    """bench.json's ``setup``: what was measured, where, with what."""
     cfg = info["config"]
-    setup = {
+    return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": {"arch": cfg.get("model_type"), "hidden_size": cfg.get("hidden_size"),
                   "num_layers": cfg.get("num_hidden_layers"), "moe_layers": moe_layers,
@@ -353,12 +407,14 @@ def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_
                   "generated": args.model is None},
         "cores": {"colocated_t1": args.core_list[:1], "colocated_t2": args.core_list,
                   "attention": args.core_list[:1], "ffn": args.core_list[1:], "pin": args.pin},
-        "load": {"concurrency": args.concurrency, "prompt_len": args.prompt_len,
+        "load": {"preset": args.preset, "concurrency": args.concurrency,
+                 "prompt_len": None if args.context_list else args.prompt_len,
+                 "contexts": args.context_list or None,
                  "output_len": args.output_len, "repeats": args.repeats,
                  "warmup_tokens": args.warmup_tokens, "temperature": 0, "ignore_eos": True,
                  "quick": args.quick},
         "server": {"kv_cache_gib": args.kv_cache_gib, "dtype": "float32",
-                   "enforce_eager": True, "max_model_len": MAX_MODEL_LEN},
+                   "enforce_eager": True, "max_model_len": args.max_model_len},
         "afd": {"connector": args.connector, "compute_gate_on_attention": args.gate_on_attention,
                 "micro_batches": args.mb_list},
         "hosts": ({"rates": host_links(args),
@@ -369,13 +425,6 @@ def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_
         "versions": versions(),
         "total_s": total_s,
     }
-    report.write_json(args.out / "bench.json", setup, ordered)
-    m = setup["model"]
-    title = (f"{m['arch']} h{m['hidden_size']} L{m['num_layers']} E{m['num_experts']} "
-             f"top{m['top_k']}, {args.concurrency} req x {args.output_len} tok, "
-             f"cores {args.cores}" + ("; @RATE: roles on two hosts" if args.rates else ""))
-    report.write_chart(args.out / "bench.png", ordered, title)
-    return ordered
 
 
 if __name__ == "__main__":

@@ -87,20 +87,37 @@ class Progress:
 
 
 def run_batch(url: str, model: str, prompts: list[list[int]], max_tokens: int,
-              timeout_s: float = 600, desc: str = "") -> tuple[float, list[RequestTiming]]:
-    """All prompts at once, one streamed request each. Returns (wall seconds, timings)."""
+              timeout_s: float = 600, desc: str = "",
+              on_decoding=None) -> tuple[float, list[RequestTiming]]:
+    """All prompts at once, one streamed request each. Returns (wall seconds, timings).
+    ``on_decoding()`` runs once every request has its first token (every prefill is done), in a
+    thread of its own, and is over when this returns."""
     progress = Progress(len(prompts) * max_tokens, desc)
     start = threading.Barrier(len(prompts))
+    lock, started, hook = threading.Lock(), [0], []
 
     def one(prompt):
+        first = [True]
+
+        def on_tokens(n):
+            progress(n)
+            if first[0] and on_decoding is not None:
+                first[0] = False
+                with lock:
+                    started[0] += 1
+                    if started[0] == len(prompts):
+                        hook.append(threading.Thread(target=on_decoding, daemon=True))
+                        hook[0].start()
         start.wait()
-        return stream_request(url, model, prompt, max_tokens, timeout_s, progress)
+        return stream_request(url, model, prompt, max_tokens, timeout_s, on_tokens)
 
     try:
         with ThreadPoolExecutor(len(prompts)) as pool:
             timings = list(pool.map(one, prompts))
     finally:
         progress.close()
+        for thread in hook:
+            thread.join()
     wall = max(t.t_end for t in timings) - min(t.t_send for t in timings)
     return wall, timings
 

@@ -7,8 +7,13 @@ import os
 from pathlib import Path
 
 QUICK = {"concurrency": 8, "output_len": 32, "repeats": 1}
-FULL = {"concurrency": 16, "output_len": 64, "repeats": 2}
-MAX_MODEL_LEN = 512  # afd_common.tools.launch.COMMON_ARGS
+FULL = {"concurrency": 16, "output_len": 64, "repeats": 2}  # --preset short
+SWEEP = {"concurrency": 8, "output_len": 32, "repeats": 1}  # --preset sweep, at each context
+SWEEP_CONTEXTS = "128,512,1024,2048"
+MAX_MODEL_LEN = 512  # afd_common.tools.launch.COMMON_ARGS: the least a bench server gets
+# --kv-cache-gib's default: this much per token of the load (concurrency x max model length),
+# 0.5 GiB at the least -- 64 KiB a token, room for the generated model's 32 KiB.
+KV_BYTES_PER_TOKEN = 64 * 2**10
 
 
 def parse_cores(text: str) -> list[int]:
@@ -24,8 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="afd-bench", description="Colocated vLLM (1 and 2 OpenMP threads) against AFD "
         "(attention role on the first core, FFN role on the second) on the same load, side by "
         "side in one run. Writes bench.json and bench.png to --out and prints a table.")
+    ap.add_argument("--preset", choices=("short", "sweep"), default="short",
+                    help=f"short: one load of --prompt-len tokens ({FULL}); sweep: the same "
+                    f"servers measured at each --contexts prompt length ({SWEEP} at each), "
+                    "decode and prefill apart, the balance of the roles and an ideal line")
     ap.add_argument("--quick", action="store_true",
-                    help=f"short load for a smoke run: {QUICK} (default {FULL})")
+                    help=f"short load for a smoke run: {QUICK}")
+    ap.add_argument("--contexts", default=SWEEP_CONTEXTS,
+                    help=f"--preset sweep: prompt lengths in tokens (default {SWEEP_CONTEXTS})")
     ap.add_argument("--out", type=Path, default=Path("bench-out"), help="default bench-out/")
     ap.add_argument("--micro-batches", default="1,2,3",
                     help="num_micro_batches values for the AFD runs (default 1,2,3)")
@@ -71,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "namespaces on a bridge, started once per configuration) over the link "
                    "uncapped and capped at each rate, tc syntax: e.g. 100mbit,1gbit,10gbit. "
                    "Results appear as afd_mM@RATE beside the loopback runs")
-    ap.add_argument("--kv-cache-gib", type=float, default=0.5,
-                    help="KV cache per server (--kv-cache-memory-bytes), default 0.5")
+    ap.add_argument("--kv-cache-gib", type=float,
+                    help="KV cache per server (--kv-cache-memory-bytes); default: 64 KiB per "
+                    "token of the load (concurrency x max model length), at least 0.5")
     ap.add_argument("--ready-timeout", type=float, default=600,
                     help="seconds a server may take to start")
     return ap
@@ -81,21 +93,28 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv):
     ap = build_parser()
     args = ap.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
+    load = QUICK if args.quick else SWEEP if args.preset == "sweep" else FULL
+    for key, value in load.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     try:
         args.mb_list = sorted({int(x) for x in args.micro_batches.split(",") if x.strip()})
         args.core_list = parse_cores(args.cores)
+        args.context_list = (sorted({int(x) for x in args.contexts.split(",") if x.strip()})
+                             if args.preset == "sweep" else [])
     except ValueError as e:
-        ap.error(f"bad --micro-batches or --cores: {e}")
+        ap.error(f"bad --micro-batches, --cores or --contexts: {e}")
+    if args.preset == "sweep" and (not args.context_list or min(args.context_list) < 1):
+        ap.error("--contexts takes prompt lengths >= 1, e.g. 128,512,1024,2048")
+    if args.preset == "sweep" and args.hosts is not None:
+        ap.error("--hosts measures one load: use it with --preset short")
     if len(args.core_list) != 2 or len(set(args.core_list)) != 2:
         ap.error("--cores takes two different cores, e.g. 0,1")
     if args.ffn_ranks < 1:
         ap.error("--ffn-ranks must be >= 1")
     if args.sharded:
         args.gate_on_attention = True
-    if args.kv_cache_gib <= 0:
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         ap.error("--kv-cache-gib must be > 0")
     if any(m < 1 for m in args.mb_list):
         ap.error("--micro-batches values must be >= 1")
@@ -117,6 +136,10 @@ def parse_args(argv):
             ap.error("--hosts takes at least one rate, e.g. 100mbit,1gbit")
         if os.geteuid() != 0:
             ap.error("--hosts creates network namespaces: run afd-bench as root")
-    if args.prompt_len + args.output_len > MAX_MODEL_LEN:
-        ap.error(f"--prompt-len + --output-len must be <= {MAX_MODEL_LEN} (--max-model-len)")
+    # The servers' --max-model-len follows the longest prompt, and the KV cache the load.
+    args.prompt_lens = args.context_list or [args.prompt_len]
+    args.max_model_len = max(MAX_MODEL_LEN, max(args.prompt_lens) + args.output_len)
+    if args.kv_cache_gib is None:
+        args.kv_cache_gib = max(0.5, args.concurrency * args.max_model_len * KV_BYTES_PER_TOKEN
+                                / 2**30)
     return args

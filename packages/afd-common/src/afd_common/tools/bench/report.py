@@ -28,7 +28,7 @@ def write_json(path: Path, setup: dict, results: dict[str, dict]) -> Path:
     return path
 
 
-def _fmt(value, digits: int = 2) -> str:
+def fmt(value, digits: int = 2) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -53,7 +53,7 @@ def table(results: dict[str, dict]) -> str:
         label = name + (f" (= {r['source']})" if r.get("source") else "")
         if r.get("status") == "failed":
             label += " FAILED"
-        rows.append([label] + [_fmt(r.get(key), d) for _, key, d in COLUMNS[1:]])
+        rows.append([label] + [fmt(r.get(key), d) for _, key, d in COLUMNS[1:]])
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                        for i, (c, w) in enumerate(zip(row, widths))) for row in rows]

@@ -16,6 +16,13 @@ Definitions (the same for every configuration):
   fills, with ``m`` micro-batches and ``L`` MoE layers (1.0 = the slower side never waits).
 * ``sizing``: the ``m`` that would hide the transfers and the A:F ratio that would balance the
   roles (``sizing_hint``).
+
+The AFD breakdown is of decode steps only: each role's ``/metrics`` is scraped once every
+request of a batch has its first token and again when the batch is over.
+
+In a sweep (``--preset sweep``), each context's entries are decode-only: ``tpot_*`` and
+``itl_*`` are the ``decode_*`` ones, ``ratio_vs_colocated`` divides decode tokens per second, and
+AFD entries add ``ideal_step_ms`` (``ideal_step_ms``) and ``ideal_ratio_vs_colocated``.
 """
 
 from __future__ import annotations
@@ -136,10 +143,9 @@ def ratio(value: float | None, base: float | None) -> float | None:
     return value / base
 
 
-def faster(results: dict[str, dict]) -> tuple[str, dict] | None:
-    """The configuration with the most tokens/s (None if none has a number)."""
-    ranked = [(r["tokens_per_s"], name) for name, r in results.items()
-              if r and r.get("tokens_per_s") is not None]
+def faster(results: dict[str, dict], key: str = "tokens_per_s") -> tuple[str, dict] | None:
+    """The configuration with the most tokens/s (by ``key``; None if none has a number)."""
+    ranked = [(r[key], name) for name, r in results.items() if r and r.get(key) is not None]
     if not ranked:
         return None
     name = max(ranked)[1]
@@ -151,6 +157,22 @@ def eta(m: int, moe_layers: int, t_a_ms: float | None, t_e_ms: float | None,
     if t_a_ms is None or t_e_ms is None or not t_step_ms:
         return None
     return m * moe_layers * max(t_a_ms, t_e_ms) / t_step_ms
+
+
+def ideal_step_ms(m: int, moe_layers: int, t_a_ms: float | None, t_e_ms: float | None,
+                  t_step_ms: float | None, decode_step_ms: float | None) -> float | None:
+    """The decode step AFD would take with perfect overlap and no split cost: the busier role's
+    work of every (MoE layer, micro-batch), ``m * L * max(t_a, t_e)``, plus what the step does
+    outside the model forward (scheduling, sampling: the measured step less the forward)."""
+    if None in (t_a_ms, t_e_ms, t_step_ms, decode_step_ms):
+        return None
+    return m * moe_layers * max(t_a_ms, t_e_ms) + max(0.0, decode_step_ms - t_step_ms)
+
+
+def balance_context(per_step: dict[int, tuple[float | None, float | None]]) -> int | None:
+    """The context whose (attention compute, FFN compute) per step are closest in ratio."""
+    ranked = [(abs(math.log(a / e)), c) for c, (a, e) in per_step.items() if a and e]
+    return min(ranked)[1] if ranked else None
 
 
 MAX_HINT_M = 8
