@@ -304,6 +304,12 @@ def check_metrics(pair, case: Case) -> None:
         f"{pairs:.0f} (token, expert) pairs over {len(experts)} experts")
 
 
+def exit_codes(servers) -> str:
+    """Stopped on purpose, a server exits 0: which did not, with what, and its log's end."""
+    return "\n".join(f"{s.name} exited {s.proc.returncode}:\n{s.log_tail(15)}" for s in servers
+                     if s.proc.returncode != 0)
+
+
 def afd_log_lines(server, last: int = 40) -> str:
     """What a server's AFD code logged, and its errors: why a case failed, in the CI output."""
     lines = server.log_path.read_text(errors="replace").splitlines()
@@ -458,7 +464,7 @@ def sigterm_attention_then_ffn(pair) -> None:
         server.signal(signal.SIGTERM)
     assert wait_gone(pair.attention_ranks, 30), "\n".join(
         f"{s.name}: processes left {s.pids()}\n{s.log_tail()}" for s in pair.attention_ranks)
-    assert all(s.proc.returncode == 0 for s in pair.attention_ranks), "stopped on purpose: 0"
+    assert all(s.proc.returncode == 0 for s in pair.attention_ranks), exit_codes(pair.attention_ranks)
     end = time.monotonic() + 30
     while True:
         ranks = json.loads(get(pair.ffn.url + "/health"))["ranks"]
@@ -474,7 +480,7 @@ def sigterm_attention_then_ffn(pair) -> None:
         server.signal(signal.SIGTERM)
     assert wait_gone(pair.servers, 30), "\n".join(
         f"{s.name}: processes left {s.pids()}\n{s.log_tail()}" for s in pair.ffn_ranks)
-    assert all(s.proc.returncode == 0 for s in pair.ffn_ranks), "stopped on purpose: 0"
+    assert all(s.proc.returncode == 0 for s in pair.ffn_ranks), exit_codes(pair.ffn_ranks)
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,9 @@ def wait_gone(servers, timeout_s: float) -> bool:
             if s.proc is not None:
                 s.proc.poll()  # reap the leader
         if not any(s.pids() for s in servers):
+            for s in servers:  # a leader that exited since the poll: its exit code is set
+                if s.proc is not None:
+                    s.proc.wait()
             return True
         time.sleep(0.25)
     return False
