@@ -216,9 +216,9 @@ def test_cli_defaults_and_validation():
     assert long.max_model_len == 1100 and long.kv_cache_gib == pytest.approx(16 * 1100 / 2**14)
     assert parse_args(["--prompt-len", "1000", "--kv-cache-gib", "3"]).kv_cache_gib == 3
     sweep = parse_args(["--preset", "sweep"])
-    assert (sweep.concurrency, sweep.output_len, sweep.repeats) == (8, 32, 1)
+    assert (sweep.concurrency, sweep.output_len, sweep.repeats) == (8, 64, 2)
     assert sweep.context_list == sweep.prompt_lens == [128, 512, 1024, 2048]
-    assert sweep.max_model_len == 2048 + 32 and full.context_list == [] and full.prompt_lens == [16]
+    assert sweep.max_model_len == 2048 + 64 and full.context_list == [] and full.prompt_lens == [16]
     assert parse_args(["--preset", "sweep", "--contexts", "64,32,64"]).context_list == [32, 64]
     for bad in (["--cores", "0"], ["--cores", "1,1"], ["--micro-batches", "0"],
                 ["--micro-batches", "x"], ["--preset", "sweep", "--contexts", "0"],
@@ -383,3 +383,14 @@ def test_a_batch_calls_back_once_every_request_decodes():
         server.shutdown()
     firsts = [t.arrivals[0][0] for t in timings]
     assert len(called) == 1 and max(firsts) <= called[0] < min(t.t_end for t in timings)
+
+
+def test_a_checkpoint_too_short_for_the_load_is_refused_before_any_server(tmp_path):
+    from afd_common.tools.bench.environment import prepare_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 1024}))
+    args = parse_args(["--model", str(tmp_path), "--preset", "sweep", "--contexts", "1024"])
+    with pytest.raises(SystemExit, match="at most 1024 positions .* --max-model-len 1088"):
+        prepare_model(args)
+    args = parse_args(["--model", str(tmp_path), "--preset", "sweep", "--contexts", "512"])
+    assert prepare_model(args)[1]["config"]["max_position_embeddings"] == 1024

@@ -28,7 +28,8 @@ def prepare_model(args) -> tuple[Path, dict]:
         old = json.loads(stamp.read_text()) if stamp.exists() else {}
         old_shape = old.get("shape") or {}
         if ((old.get("arch"), old.get("seed")) == (args.arch, args.seed)
-                and all(old_shape.get(k) == v for k, v in shape.items())):
+                and all(old_shape.get(k) == v for k, v in shape.items())
+                and (_positions(model) or 0) >= args.max_model_len):
             say(f"reusing the checkpoint in {model}")
         else:
             say(f"writing a {args.arch} checkpoint to {model}")
@@ -40,7 +41,20 @@ def prepare_model(args) -> tuple[Path, dict]:
     info_path = model / "afd_tiny_model.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     info["config"] = json.loads((model / "config.json").read_text())
+    positions = _positions(model)
+    if positions is not None and positions < args.max_model_len:
+        raise SystemExit(f"afd-bench: {model} serves at most {positions} positions "
+                         f"(max_position_embeddings); the load needs --max-model-len "
+                         f"{args.max_model_len} (the longest prompt + --output-len)")
     return model, info
+
+
+def _positions(model: Path) -> int | None:
+    """The longest sequence a checkpoint serves (None: its config does not say)."""
+    try:
+        return int(json.loads((model / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def versions() -> dict:

@@ -4,6 +4,13 @@ Prompts are token ids (exact length, the same for every configuration) drawn fro
 generator; each request asks for exactly ``output_len`` tokens (``ignore_eos``, greedy). The
 server streams one chunk per step with its token ids (``return_token_ids``), so each token's
 arrival time is known on the client.
+
+Why not ``vllm bench serve``: its per-request start times, TTFTs and ITLs (``--save-detailed``)
+would give the same arrival times, but afd-bench also needs what it cannot do -- run code at
+the instant every request of a batch has its first token (the roles' ``/metrics`` are scraped
+there, so the per-role breakdown is of decode steps only), send the same token ids to every
+configuration (its random dataset sends text, re-tokenized by each server), and measure 20
+loads in one process without starting a client for each.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pathlib import Path
 
 QUICK = {"concurrency": 8, "output_len": 32, "repeats": 1}
 FULL = {"concurrency": 16, "output_len": 64, "repeats": 2}  # --preset short
-SWEEP = {"concurrency": 8, "output_len": 32, "repeats": 1}  # --preset sweep, at each context
+SWEEP = {"concurrency": 8, "output_len": 64, "repeats": 2}  # --preset sweep, at each context
 SWEEP_CONTEXTS = "128,512,1024,2048"
 MAX_MODEL_LEN = 512  # afd_common.tools.launch.COMMON_ARGS: the least a bench server gets
 # --kv-cache-gib's default: this much per token of the load (concurrency x max model length),

@@ -145,6 +145,7 @@ def write_chart(path: Path, doc: dict[str, dict], balance: int | None, afd: list
     right.set_ylabel("ms per decode step")
     right.set_title("where a decode step goes")
     for ax in (left, right):
+        ax.set_xlim(xs[0] / 1.25, xs[-1] * 1.25)  # also when every value is missing
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(c) for c in xs])
         ax.set_xlabel("context (prompt tokens)")

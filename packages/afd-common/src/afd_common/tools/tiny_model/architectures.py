@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-MAX_POSITIONS = 2048
+MAX_POSITIONS = 4096  # afd-bench --preset sweep serves up to 2048-token prompts and more
 # Weight kinds -> std; "ones" is a norm weight. A linear weight's std is 1/sqrt(fan_in), its
 # input being the last axis ("linear", torch's layout) or the one before ("linear_t").
 FAN_IN_AXIS: dict[str, int] = {"linear": -1, "linear_t": -2}
