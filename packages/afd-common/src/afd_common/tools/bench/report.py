@@ -46,19 +46,51 @@ COLUMNS = [("config", None, 0), ("tok/s", "tokens_per_s", 1), ("vs coloc", "rati
 
 def table(results: dict[str, dict]) -> str:
     """Rows of every configuration that ran (times in ms)."""
-    rows = [[h for h, _, _ in COLUMNS]]
-    for name, r in results.items():
-        if r.get("status") == "not run":
-            continue
-        label = name + (f" (= {r['source']})" if r.get("source") else "")
-        if r.get("status") == "failed":
-            label += " FAILED"
-        rows.append([label] + [fmt(r.get(key), d) for _, key, d in COLUMNS[1:]])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+    rows = [[label(name, r)] + [fmt(r.get(key), d) for _, key, d in COLUMNS[1:]]
+            for name, r in results.items() if r.get("status") != "not run"]
+    return render([h for h, _, _ in COLUMNS], rows, 1,
+                  "(times in ms; t_a/t_e/t_c per MoE layer and micro-batch)")
+
+
+def label(name: str, result: dict) -> str:
+    """A configuration's name in a table: which it stands for, and whether it failed."""
+    return (name + (f" (= {result['source']})" if result.get("source") else "")
+            + (" FAILED" if result.get("status") == "failed" else ""))
+
+
+def render(header: list[str], rows: list[list[str]], left: int, note: str) -> str:
+    """Columns aligned: the first ``left`` to the left (names), the rest to the right."""
+    rows = [header, *rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w)
                        for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines) + "\n(times in ms; t_a/t_e/t_c per MoE layer and micro-batch)"
+    return "\n".join(lines) + "\n" + note
+
+
+def pyplot():
+    """matplotlib's pyplot without a display, or None (and a warning) where it is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("warning: matplotlib is not installed, no chart written", file=sys.stderr)
+        return None
+    return plt
+
+
+def save(fig, path: Path, title: str = "") -> Path:
+    """Title, lay out, write and close a chart."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _label(name: str) -> str:
@@ -70,12 +102,8 @@ def write_chart(path: Path, results: dict[str, dict], title: str = "") -> Path |
     """Left: tokens/s per configuration with the ratio to colocated on each bar. Right: one step
     of each AFD configuration per role -- the attention role's compute, time blocked on results
     and the rest; the FFN role's expert compute and idle time -- with eta."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("warning: matplotlib is not installed, no chart written", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
 
     shown = {k: v for k, v in results.items() if k != "colocated" and v.get("status") != "not run"}
@@ -139,10 +167,4 @@ def write_chart(path: Path, results: dict[str, dict], title: str = "") -> Path |
                            "attention other (dense, sampling, hand-over)",
                            "FFN experts (sum t_e)", "FFN idle"],
                  fontsize=7, loc="upper left", ncol=2)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path, title)

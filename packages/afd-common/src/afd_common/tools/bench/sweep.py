@@ -12,7 +12,6 @@ the implementation is from its own limit as well as from colocated vLLM.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from afd_common.tools.bench import report, stats
@@ -89,23 +88,17 @@ COLUMNS = [("context", None, 0), ("config", None, 0),
 
 
 def table(doc: dict[str, dict], balance: int | None) -> str:
-    rows = [[h for h, _, _ in COLUMNS]]
+    rows = []
     for c, entries in doc.items():
         for name, e in entries.items():
             if e.get("status") == "not run":
                 continue
-            label = name + (f" (= {e['source']})" if e.get("source") else "")
-            if e.get("status") == "failed":
-                label += " FAILED"
-            mark = " <- balance" if balance is not None and int(c) == balance else ""
-            rows.append([c + (mark if name == "colocated" else ""), label]
+            mark = " <- balance" if name == "colocated" and int(c) == balance else ""
+            rows.append([c + mark, report.label(name, e)]
                         + [report.fmt(e.get(key), d) for _, key, d in COLUMNS[2:]])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines) + ("\n(decode only; times in ms; t_a/t_e/t_c per MoE layer and "
-                               "micro-batch; TTFT is the prefill)")
+    return report.render([h for h, _, _ in COLUMNS], rows, 2,
+                         "(decode only; times in ms; t_a/t_e/t_c per MoE layer and "
+                         "micro-batch; TTFT is the prefill)")
 
 
 def write_chart(path: Path, doc: dict[str, dict], balance: int | None, afd: list[str],
@@ -113,12 +106,8 @@ def write_chart(path: Path, doc: dict[str, dict], balance: int | None, afd: list
     """Left: AFD's decode throughput over the faster colocated one against context length, each
     m and the best ideal. Right: each role's compute per decode step (the unsplit AFD run)
     beside the colocated decode step. The balance context is marked on both."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("warning: matplotlib is not installed, no chart written", file=sys.stderr)
+    plt = report.pyplot()
+    if plt is None:
         return None
     xs = sorted(int(c) for c in doc)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12.0, 4.8))
@@ -153,10 +142,4 @@ def write_chart(path: Path, doc: dict[str, dict], balance: int | None, afd: list
             ax.axvline(balance, color="tab:green", linestyle=":", label="roles balance")
         ax.legend(fontsize=8)
     right.set_ylim(bottom=0)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return report.save(fig, path, title)
