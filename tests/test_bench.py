@@ -210,10 +210,11 @@ def test_cli_defaults_and_validation():
     full = parse_args(["--concurrency", "3"])
     assert (full.concurrency, full.output_len) == (3, 64) and full.mb_list == [1, 2, 3]
     assert parse_cores("2-3") == [2, 3] and parse_cores("0,5") == [0, 5]
-    # The model length follows the load, 512 at the least, and the KV cache the tokens.
-    assert (full.max_model_len, full.kv_cache_gib) == (512, 0.5)
+    # The model length follows the load, 512 at the least; the KV cache, once the model is
+    # known (test_the_kv_cache_follows_the_model_and_the_load).
+    assert (full.max_model_len, full.kv_cache_gib, full.prompt_len) == (512, None, 16)
     long = parse_args(["--prompt-len", "1000", "--output-len", "100", "--concurrency", "16"])
-    assert long.max_model_len == 1100 and long.kv_cache_gib == pytest.approx(16 * 1100 / 2**14)
+    assert long.max_model_len == 1100
     assert parse_args(["--prompt-len", "1000", "--kv-cache-gib", "3"]).kv_cache_gib == 3
     sweep = parse_args(["--preset", "sweep"])
     assert (sweep.concurrency, sweep.output_len, sweep.repeats) == (8, 64, 2)
@@ -223,7 +224,9 @@ def test_cli_defaults_and_validation():
     for bad in (["--cores", "0"], ["--cores", "1,1"], ["--micro-batches", "0"],
                 ["--micro-batches", "x"], ["--preset", "sweep", "--contexts", "0"],
                 ["--preset", "sweep", "--contexts", "a"], ["--preset", "long"],
-                ["--preset", "sweep", "--hosts", "1gbit"], ["--kv-cache-gib", "0"]):
+                ["--preset", "sweep", "--hosts", "1gbit"], ["--kv-cache-gib", "0"],
+                ["--contexts", "128"], ["--preset", "sweep", "--prompt-len", "64"],
+                ["--micro-batches", ","]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -394,3 +397,52 @@ def test_a_checkpoint_too_short_for_the_load_is_refused_before_any_server(tmp_pa
         prepare_model(args)
     args = parse_args(["--model", str(tmp_path), "--preset", "sweep", "--contexts", "512"])
     assert prepare_model(args)[1]["config"]["max_position_embeddings"] == 1024
+
+
+def test_the_kv_cache_follows_the_model_and_the_load():
+    from afd_common.tools.bench.environment import default_kv_cache_gib, kv_bytes_per_token
+
+    # The generated model: 8 layers x (K and V) x 4 KV heads x 128 x float32 = 32 KiB a token.
+    qwen = {"num_hidden_layers": 8, "num_key_value_heads": 4, "head_dim": 128,
+            "num_attention_heads": 8, "hidden_size": 1024}
+    assert kv_bytes_per_token(qwen) == 32 * 2**10
+    # MLA keeps one latent and the rope key per layer.
+    assert kv_bytes_per_token({"num_hidden_layers": 2, "kv_lora_rank": 64,
+                               "qk_rope_head_dim": 32}) == 2 * 96 * 4
+    # Without head_dim: hidden / heads; without KV heads: every head.
+    assert kv_bytes_per_token({"num_hidden_layers": 1, "num_attention_heads": 4,
+                               "hidden_size": 64}) == 2 * 4 * 16 * 4
+    assert kv_bytes_per_token({"hidden_size": 64}) is None
+    assert default_kv_cache_gib(qwen, 8 * 2112) == pytest.approx(1.25 * 8 * 2112 / 2**15)
+    assert default_kv_cache_gib(qwen, 100) == 0.5
+    assert default_kv_cache_gib({}, 2**14) == pytest.approx(1.25)  # 64 KiB a token
+
+
+def test_a_batch_whose_scrape_failed_is_left_out_of_the_breakdown(monkeypatch, tmp_path):
+    """Scrapes of several batches add up; one failed scrape would count the server's whole
+    history as its batch's, so that batch is left out and the others still count."""
+    from afd_common.tools.bench import cli
+
+    args = parse_args(["--quick", "--repeats", "3", "--out", str(tmp_path)])
+    args.kv_cache_gib = 0.5
+    bench = cli.Bench(args, tmp_path, 300)
+
+    def run_batch(url, model, prompts, tokens, timeout, desc="", on_decoding=None):
+        if on_decoding is not None:
+            on_decoding()
+        return 1.0, []
+    # The counter grows by 10 per batch during decode and 1000 between batches (prefill).
+    counts = iter([1000, 1010, 2010, None, 3010, 3020])
+    scrapes = []
+
+    def scrape(name, role, url):
+        value = next(counts)
+        scrapes.append(value)
+        return None if value is None else prom.parse(
+            f'afd_step_seconds_count{{role="attention"}} {value}\n')
+    monkeypatch.setattr(cli.load, "run_batch", run_batch)
+    monkeypatch.setattr(cli, "_scrape", scrape)
+    _, got = bench.measure("t", "http://x", {"attention": "http://x"}, bench.points[0])
+    before, after = got["attention"]
+    assert len(scrapes) == 6
+    assert prom.delta(before, after, "afd_step_seconds_count", role="attention") == 20

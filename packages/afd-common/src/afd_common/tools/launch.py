@@ -200,7 +200,7 @@ def wait_gone(servers, timeout_s: float) -> bool:
         if not any(s.pids() for s in servers):
             for s in servers:  # a leader that exited since the poll: its exit code is set
                 if s.proc is not None:
-                    s.proc.wait()
+                    s.proc.wait(timeout=5)
             return True
         time.sleep(0.25)
     return False

