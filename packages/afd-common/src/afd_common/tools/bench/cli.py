@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import signal
 import sys
@@ -12,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from afd_common.tools.bench import load, prom, report, stats, sweep
-from afd_common.tools.bench.environment import (cpu_model, default_kv_cache_gib, prepare_model,
-                                                 say, versions)
+from afd_common.tools.bench.environment import (default_kv_cache_gib, describe_setup,
+                                                 prepare_model, say)
 from afd_common.tools.bench.hosts import Hosts
 from afd_common.tools.bench.options import parse_args
 from afd_common.tools.launch import Server, afd_args, free_port, wait_gone
@@ -174,6 +173,25 @@ class Bench:
         """Where a measurement goes: the configuration, at a context in a sweep."""
         return f"{point.prompt_len}/{config}" if self.args.context_list else config
 
+    def _at_each_load(self, config: str, servers, measure_one) -> dict:
+        """``measure_one(point, key)`` at every load, keyed by ``key``. A load that fails is
+        that load's ConfigFailed, the others are kept; once a server has died, so is every load
+        left."""
+        out: dict = {}
+        dead = None
+        for point in self.points:
+            key = self.key(point, config)
+            if dead is not None:
+                out[key] = dead
+                continue
+            try:
+                out[key] = measure_one(point, key)
+            except Exception as e:  # noqa: BLE001 - reported per load
+                out[key] = ConfigFailed(key, e, servers)
+                if any(s.exited() for s in servers):
+                    dead = out[key]
+        return out
+
     def colocated(self, names: list[str]) -> dict[str, dict]:
         """The colocated settings start together (two import chains on two cores take about
         as long as one) and are measured one after the other, each once all are ready, so no
@@ -195,20 +213,14 @@ class Bench:
             waiting.done(", ".join(f"{n}: ready after {t:.0f} s" for n, t in startup.items()))
             for name in startup:
                 server = servers[name]
-                for point in self.points:
-                    key = self.key(point, name)
-                    try:
-                        # Scraped like an AFD role (the numbers unused): the same load
-                        # on the server while it decodes.
-                        summary, _ = self.measure(key, server.url, {"server": server.url},
-                                                  point)
-                        results[key] = {**summary, "startup_s": startup[name],
-                                        "cores": server.cores,
-                                        "omp_threads": len(self.cores[name])}
-                    except Exception as e:  # noqa: BLE001 - reported per setting
-                        results[key] = ConfigFailed(key, e, (server,))
-                        if server.exited():
-                            break
+
+                def one(point, key, server=server, name=name):
+                    # Scraped like an AFD role (the numbers unused): the same load on the
+                    # server while it decodes.
+                    summary, _ = self.measure(key, server.url, {"server": server.url}, point)
+                    return {**summary, "startup_s": startup[name], "cores": server.cores,
+                            "omp_threads": len(self.cores[name])}
+                results.update(self._at_each_load(name, (server,), one))
                 stop_all([server])
         finally:
             stop_all(list(servers.values()))
@@ -253,21 +265,14 @@ class Bench:
             for link in links:
                 if hosts is not None:
                     hosts.cap(FFN_HOST, None if link == UNLIMITED else link)
-                for point in self.points:
-                    label = self.key(point, config_name(m, link))
-                    try:
-                        summary, scrapes = self.measure(
-                            label, attention.url, {"attention": attention.url, "ffn": ffn.url},
-                            point)
-                    except Exception as e:  # noqa: BLE001 - this load failed, not the others
-                        if attention.exited() or ffn.exited():
-                            raise
-                        out[label] = ConfigFailed(label, e, (attention, ffn))
-                        continue
-                    out[label] = self._afd_result(label, summary, scrapes, m, moe_layers,
-                                                  startup, attention, ffn, link, a.ffn_ranks)
+                def one(point, key, link=link):
+                    return self._afd_result(
+                        key, *self.measure(key, attention.url, {"attention": attention.url,
+                                                                "ffn": ffn.url}, point),
+                        m, moe_layers, startup, attention, ffn, link, a.ffn_ranks)
+                out.update(self._at_each_load(config_name(m, link), (attention, ffn), one))
         except Exception as e:
-            raise ConfigFailed(name, e, (attention, ffn), done=out) from e
+            raise ConfigFailed(name, e, (attention, ffn)) from e
         finally:
             stop_all([attention, ffn])
             if hosts is not None:
@@ -299,10 +304,9 @@ class Bench:
 
 
 class ConfigFailed(Exception):
-    """A configuration that did not run: the cause, the server that says why, each log's tail,
-    and what it measured before it failed (``done``: the other loads' results)."""
+    """A configuration that did not run: the cause, the server that says why, each log's tail."""
 
-    def __init__(self, name: str, cause: BaseException, servers, done: dict | None = None):
+    def __init__(self, name: str, cause: BaseException, servers):
         reason = (str(cause).splitlines() or [""])[0]
         hints = [line.strip() for s in servers for line in s.log_tail(60).splitlines()
                  if "Error" in line or "error:" in line]
@@ -311,7 +315,7 @@ class ConfigFailed(Exception):
         tails = "\n".join(f"--- {s.name} log ({s.log_path}), last lines:\n{s.log_tail(25)}"
                           for s in servers)
         super().__init__(f"{self.summary}\n{tails}")
-        self.name, self.cause, self.done = name, cause, done or {}
+        self.name, self.cause = name, cause
 
 
 def _sigterm(signum, frame):
@@ -352,7 +356,6 @@ def main(argv: list[str] | None = None) -> int:
                 except ConfigFailed as e:
                     outcomes = ({config_name(m, link): e for link in host_links(args)}
                                 if on_hosts else {bench.key(p, name): e for p in bench.points})
-                    outcomes.update(e.done)
             for config, outcome in outcomes.items():
                 if isinstance(outcome, ConfigFailed):
                     if str(outcome) not in errors:
@@ -382,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_s: float) -> str:
     """Ratios, the ``colocated`` pick, then bench.json and bench.png; returns the table."""
-    setup = _setup(args, info, moe_layers, total_s)
+    setup = describe_setup(args, info, moe_layers, total_s, host_links(args))
     m = setup["model"]
     title = (f"{m['arch']} h{m['hidden_size']} L{m['num_layers']} E{m['num_experts']} "
              f"top{m['top_k']}, {args.concurrency} req x {args.output_len} tok, "
@@ -412,44 +415,6 @@ def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_
     report.write_json(args.out / "bench.json", setup, ordered)
     report.write_chart(args.out / "bench.png", ordered, title)
     return report.table(ordered)
-
-
-def _setup(args, info: dict, moe_layers: int, total_s: float) -> dict:
-    """bench.json's ``setup``: what was measured, where, with what."""
-    cfg = info["config"]
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": {"arch": cfg.get("model_type"), "hidden_size": cfg.get("hidden_size"),
-                  "num_layers": cfg.get("num_hidden_layers"), "moe_layers": moe_layers,
-                  "num_experts": cfg.get("num_experts") or cfg.get("n_routed_experts"),
-                  "top_k": (info.get("shape") or {}).get("top_k", cfg.get("num_experts_per_tok")),
-                  "moe_intermediate_size": cfg.get("moe_intermediate_size"),
-                  "num_attention_heads": cfg.get("num_attention_heads"),
-                  "num_key_value_heads": cfg.get("num_key_value_heads"),
-                  "head_dim": cfg.get("head_dim"),
-                  "vocab_size": cfg.get("vocab_size"), "dtype": "float32",
-                  "num_parameters": info.get("num_parameters"),
-                  "generated": args.model is None},
-        "cores": {"colocated_t1": args.core_list[:1], "colocated_t2": args.core_list,
-                  "attention": args.core_list[:1], "ffn": args.core_list[1:], "pin": args.pin},
-        "load": {"preset": args.preset, "concurrency": args.concurrency,
-                 "prompt_len": None if args.context_list else args.prompt_len,
-                 "contexts": args.context_list or None,
-                 "output_len": args.output_len, "repeats": args.repeats,
-                 "warmup_tokens": args.warmup_tokens, "temperature": 0, "ignore_eos": True,
-                 "quick": args.quick},
-        "server": {"kv_cache_gib": args.kv_cache_gib, "dtype": "float32",
-                   "enforce_eager": True, "max_model_len": args.max_model_len},
-        "afd": {"connector": args.connector, "compute_gate_on_attention": args.gate_on_attention,
-                "micro_batches": args.mb_list},
-        "hosts": ({"rates": host_links(args),
-                   "link": "each role in its own network namespace, veth pairs on one bridge; a "
-                           "rate caps the FFN host's link both ways (tc tbf)"}
-                  if args.rates else None),
-        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count()},
-        "versions": versions(),
-        "total_s": total_s,
-    }
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""What a bench run ran on: the checkpoint (written or reused), the versions, the CPU."""
+"""What a bench run ran on: the checkpoint (written or reused), the versions, the CPU, and
+bench.json's record of the whole setup."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import platform
 import sys
 from importlib import metadata
@@ -104,3 +107,41 @@ def cpu_model() -> str | None:
     except OSError:
         pass
     return None
+
+
+def describe_setup(args, info: dict, moe_layers: int, total_s: float, links: list[str]) -> dict:
+    """bench.json's ``setup``: what was measured, where, with what."""
+    cfg = info["config"]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"arch": cfg.get("model_type"), "hidden_size": cfg.get("hidden_size"),
+                  "num_layers": cfg.get("num_hidden_layers"), "moe_layers": moe_layers,
+                  "num_experts": cfg.get("num_experts") or cfg.get("n_routed_experts"),
+                  "top_k": (info.get("shape") or {}).get("top_k", cfg.get("num_experts_per_tok")),
+                  "moe_intermediate_size": cfg.get("moe_intermediate_size"),
+                  "num_attention_heads": cfg.get("num_attention_heads"),
+                  "num_key_value_heads": cfg.get("num_key_value_heads"),
+                  "head_dim": cfg.get("head_dim"),
+                  "vocab_size": cfg.get("vocab_size"), "dtype": "float32",
+                  "num_parameters": info.get("num_parameters"),
+                  "generated": args.model is None},
+        "cores": {"colocated_t1": args.core_list[:1], "colocated_t2": args.core_list,
+                  "attention": args.core_list[:1], "ffn": args.core_list[1:], "pin": args.pin},
+        "load": {"preset": args.preset, "concurrency": args.concurrency,
+                 "prompt_len": None if args.context_list else args.prompt_len,
+                 "contexts": args.context_list or None,
+                 "output_len": args.output_len, "repeats": args.repeats,
+                 "warmup_tokens": args.warmup_tokens, "temperature": 0, "ignore_eos": True,
+                 "quick": args.quick},
+        "server": {"kv_cache_gib": args.kv_cache_gib, "dtype": "float32",
+                   "enforce_eager": True, "max_model_len": args.max_model_len},
+        "afd": {"connector": args.connector, "compute_gate_on_attention": args.gate_on_attention,
+                "micro_batches": args.mb_list},
+        "hosts": ({"rates": links,
+                   "link": "each role in its own network namespace, veth pairs on one bridge; a "
+                           "rate caps the FFN host's link both ways (tc tbf)"}
+                  if args.rates else None),
+        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count()},
+        "versions": versions(),
+        "total_s": total_s,
+    }
