@@ -38,16 +38,20 @@ class P2pAttentionConnector(AttentionConnector):
         if self.topology.sharded:
             return self._pending(call, self._send_sharded(net, call, rows, hidden_states,
                                                           topk_ids, topk_weights))
-        out = torch.empty_like(hidden_states)
         tag = data_tag(call.layer_idx, call.stage)
         what = ("the FFN result of layer {} stage {}", call.layer_idx, call.stage)
+        # Each send goes out before anything else is done for it (the result's buffer, its
+        # receive, the metrics): the FFN side starts while this side does the rest.
         if self._one_link is not None:  # every row to one FFN rank: no views to cut
             if not rows:
-                return self._pending(call, (out, ()))
-            return self._pending(call, (out, (self._exchange(
-                net, self._one_link, pack(hidden_states, topk_ids, topk_weights), out, rows,
-                tag, what),)))
-        pending = []
+                return self._pending(call, (torch.empty_like(hidden_states), ()))
+            dst = self.topology.ffn_global_rank(self._one_link)
+            net.data.isend(pack(hidden_states, topk_ids, topk_weights), dst, tag)
+            out = torch.empty_like(hidden_states)
+            pending = net.data.irecv(out, dst, tag, what)
+            self._rec.routed(self._one_link, rows)
+            return self._pending(call, (out, (pending,)))
+        sent = []
         start = 0
         for link in self._links:
             n = self.topology.chunk_rows(link, rows)
@@ -55,18 +59,19 @@ class P2pAttentionConnector(AttentionConnector):
                 continue
             sl = slice(start, start + n)
             start += n
-            msg = pack(hidden_states[sl], topk_ids[sl] if topk_ids is not None else None,
-                       topk_weights[sl] if topk_weights is not None else None)
-            pending.append(self._exchange(net, link.ffn_rank, msg, out[sl], n, tag, what))
+            dst = self.topology.ffn_global_rank(link.ffn_rank)
+            net.data.isend(pack(hidden_states[sl],
+                                topk_ids[sl] if topk_ids is not None else None,
+                                topk_weights[sl] if topk_weights is not None else None), dst, tag)
+            sent.append((link.ffn_rank, dst, sl, n))
+        out = torch.empty_like(hidden_states)
+        pending = []
+        # Each reply's receive after the send to its FFN rank: on NCCL/HCCL a receive posted
+        # first would hold back the send behind it (in-order matching per pair).
+        for ffn_rank, dst, sl, n in sent:
+            pending.append(net.data.irecv(out[sl], dst, tag, what))
+            self._rec.routed(ffn_rank, n)
         return self._pending(call, (out, pending))
-
-    def _exchange(self, net, ffn_rank, msg, into, rows, tag, what):
-        dst = self.topology.ffn_global_rank(ffn_rank)
-        # Send, then post the reply's receive: on NCCL/HCCL a receive posted first would hold
-        # back the send behind it (in-order matching per pair).
-        net.data.isend(msg, dst, tag)
-        self._rec.routed(ffn_rank, rows)
-        return net.data.irecv(into, dst, tag, what)
 
     def _send_sharded(self, net, call, rows, hidden, topk_ids, topk_weights):
         tag, ctag = data_tag(call.layer_idx, call.stage), count_tag(call.layer_idx, call.stage)

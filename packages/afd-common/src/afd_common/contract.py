@@ -380,7 +380,9 @@ class ScheduledFFNConnector(AFDConnector):
     @abc.abstractmethod
     def recv_layer(self, stage_idx: int, layer_idx: int,
                    max_num_tokens: int | None = None) -> WorkItem:
-        """The rows of ``layer_idx`` and ``stage_idx`` the plan announced. Bounded wait."""
+        """The rows of ``layer_idx`` and ``stage_idx`` the plan announced. Asked for in order
+        (MoE layers ascending, each layer's stages ascending), so a half may post its receives
+        ahead. Bounded wait."""
 
     @abc.abstractmethod
     def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:

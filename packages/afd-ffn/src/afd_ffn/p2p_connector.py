@@ -5,44 +5,82 @@ stage, so every receive is posted with its exact size. With sharded experts that
 bound: each attention rank's row count for this layer comes first, and a count above the bound is
 refused before anything is allocated. Rank layout and the A:F mapping: ``afd_common.topology``;
 message layout and the order on a link: ``afd_common.transport.p2p``.
+
+Each (layer, stage)'s receives are posted as soon as the previous result is sent (the first
+one's when the step's plan arrives), not when the loop asks for them: Gloo holds back a send whose receive is not posted yet and moves the data only after a
+second notification round trip, so a receive posted late costs a round trip per layer. The order
+of operations on every link stays the one ``p2p`` lists (it is only earlier in time), so in-order
+transports (NCCL, HCCL) are as safe as before.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from afd_common.errors import AFDProtocolError
-from afd_common.metadata import WorkItem, WorkItemMeta
+from afd_common.metadata import StepKind, WorkItem, WorkItemMeta
 from afd_common.transport.p2p import (PROTOCOL, count_tag, data_tag, empty_message, open_p2p_world,
                                  unpack)
 from afd_common.contract import ScheduledFFNConnector
 
 
+class Posted(NamedTuple):
+    """The receives of one (layer, stage), posted: per source (attention rank, rows or, with
+    sharded experts, the announced bound, the posted receive of its rows or row count)."""
+
+    layer_idx: int
+    stage: int
+    receives: tuple
+
+
 class P2pFFNConnector(ScheduledFFNConnector):
     protocol = PROTOCOL
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        layers = self.shape.moe_layers
+        self._next_layer = dict(zip(layers, layers[1:]))
+        self._posted: Posted | None = None
+
     def _open(self):
+        self._posted = None  # posted on a world that is gone
         return open_p2p_world(self)
+
+    def recv_step(self):
+        if self._posted is not None:  # the loop left a step before serving all of it
+            raise RuntimeError(f"the next step is asked for while layer {self._posted.layer_idx} "
+                               f"stage {self._posted.stage} of step {self._plan.step} is unserved")
+        plan = super().recv_step()
+        layers = self.shape.moe_layers
+        if plan.kind != StepKind.STOP and layers and self._sources:
+            self._posted = self._post(layers[0], 0, self._sources[0])
+        return plan
 
     def recv_layer(self, stage_idx, layer_idx, max_num_tokens=None) -> WorkItem:
         sources = self._stage_sources(stage_idx, max_num_tokens, layer_idx)
-        net, plan = self._net, self._plan
-        shape, gate = self.shape, self.config.compute_gate_on_attention
-        tag = data_tag(layer_idx, stage_idx)
+        posted, self._posted = self._posted, None
+        if posted is None:
+            posted = self._post(layer_idx, stage_idx, sources)
+        elif (posted.layer_idx, posted.stage) != (layer_idx, stage_idx):
+            raise RuntimeError(
+                f"recv_layer(layer {layer_idx}, stage {stage_idx}) while layer "
+                f"{posted.layer_idx} stage {posted.stage} is next: the scheduled loop serves the "
+                "MoE layers in order, each layer's stages in order")
+        receives = posted.receives
         if self.topology.sharded:
-            sources = self._routed_counts(sources, layer_idx, stage_idx)
-        pending = []
-        for a, n in sources:
-            if n:
-                buf = empty_message(n, shape.hidden_size, shape.dtype, shape.top_k, gate,
-                                    self.device)
-                pending.append((n, net.data.irecv(
-                    buf, self.topology.attention_global_rank(a), tag,
-                    ("hidden states of layer {} stage {}", layer_idx, stage_idx))))
-        parts = [unpack(net.data.wait(p, self.timeouts.current()), n, shape.hidden_size,
-                        shape.dtype, shape.top_k, gate) for n, p in pending]
-        meta = WorkItemMeta(layer_idx=layer_idx, stage=stage_idx, step=plan.step,
-                            sources=sources, kind=plan.kind)
+            sources, receives = self._post_routed(receives, layer_idx, stage_idx)
+        shape, gate = self.shape, self.config.compute_gate_on_attention
+        # Views of the posted buffers and the item's metadata before waiting: after the data
+        # lands only the waits stand between it and the experts.
+        parts = [unpack(p.tensor, n, shape.hidden_size, shape.dtype, shape.top_k, gate)
+                 for _, n, p in receives]
+        meta = WorkItemMeta(layer_idx=layer_idx, stage=stage_idx, step=self._plan.step,
+                            sources=sources, kind=self._plan.kind)
+        data, timeout = self._net.data, self.timeouts.current()
+        for _, _, p in receives:
+            data.wait(p, timeout)
         if len(parts) == 1:
             hidden, ids, weights = parts[0]
         elif parts:
@@ -57,40 +95,73 @@ class P2pFFNConnector(ScheduledFFNConnector):
                        if gate else None)
         return self.work_item(hidden, meta, ids, weights)
 
-    def _routed_counts(self, bounds, layer_idx: int, stage_idx: int):
+    def _post(self, layer_idx: int, stage_idx: int, sources) -> Posted:
+        """Post the receives of (layer, stage): the rows of each source that has any or, with
+        sharded experts, every source's row count."""
+        net, topo = self._net, self.topology
+        if topo.sharded:
+            what = ("the row count of layer {} stage {}", layer_idx, stage_idx)
+            ctag = count_tag(layer_idx, stage_idx)
+            # On the data plane's device (NCCL moves device tensors); reading it back is the one
+            # host sync a sharded layer needs: the rows' receive is posted with their size.
+            return Posted(layer_idx, stage_idx, tuple(
+                (a, bound, net.data.irecv(torch.empty(1, dtype=torch.int64, device=self.device),
+                                          topo.attention_global_rank(a), ctag, what))
+                for a, bound in sources))
+        return Posted(layer_idx, stage_idx, self._post_rows(layer_idx, stage_idx, sources))
+
+    def _post_rows(self, layer_idx: int, stage_idx: int, sources) -> tuple:
+        net, shape = self._net, self.shape
+        gate, tag = self.config.compute_gate_on_attention, data_tag(layer_idx, stage_idx)
+        what = ("hidden states of layer {} stage {}", layer_idx, stage_idx)
+        return tuple(
+            (a, n, net.data.irecv(empty_message(n, shape.hidden_size, shape.dtype, shape.top_k,
+                                                gate, self.device),
+                                  self.topology.attention_global_rank(a), tag, what))
+            for a, n in sources if n)
+
+    def _post_routed(self, counts, layer_idx: int, stage_idx: int):
         """(attention rank, rows routed here) for this layer, each checked against the rows that
-        rank announced for the stage."""
-        net, ctag = self._net, count_tag(layer_idx, stage_idx)
-        what = ("the row count of layer {} stage {}", layer_idx, stage_idx)
-        # On the data plane's device (NCCL moves device tensors); reading it back is the one
-        # host sync a sharded layer needs: the rows' receive is posted with their size.
-        posted = [(a, bound, net.data.irecv(torch.empty(1, dtype=torch.int64, device=self.device),
-                                            self.topology.attention_global_rank(a), ctag, what))
-                  for a, bound in bounds]
-        out = []
-        for a, bound, pending in posted:
-            n = int(net.data.wait(pending, self.timeouts.current())[0])
+        rank announced for the stage, and the receives of those rows."""
+        data, timeout = self._net.data, self.timeouts.current()
+        sources = []
+        for a, bound, pending in counts:
+            n = int(data.wait(pending, timeout)[0])
             if not 0 <= n <= bound:
                 raise AFDProtocolError(
                     f"attention rank {a} announced {n} rows for layer {layer_idx} stage "
                     f"{stage_idx}, outside [0, {bound}] (its tokens in this stage)")
-            out.append((a, n))
-        return tuple(out)
+            sources.append((a, n))
+        sources = tuple(sources)
+        return sources, self._post_rows(layer_idx, stage_idx, sources)
 
     def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
         self._check_output(output, item.num_tokens)
         net = self._net
-        tag = data_tag(item.meta.layer_idx, item.meta.stage)
+        meta = item.meta
+        tag = data_tag(meta.layer_idx, meta.stage)
         output = output.contiguous()
-        sources = item.meta.sources
+        sources = meta.sources
         if len(sources) == 1:  # one attention rank's rows: no view to cut
             a, n = sources[0]
             if n:
                 net.data.isend(output, self.topology.attention_global_rank(a), tag)
-            return
-        start = 0
-        for a, n in sources:
-            if n:
-                net.data.isend(output[start:start + n], self.topology.attention_global_rank(a),
-                               tag)
-                start += n
+        else:
+            start = 0
+            for a, n in sources:
+                if n:
+                    net.data.isend(output[start:start + n],
+                                   self.topology.attention_global_rank(a), tag)
+                    start += n
+        self._post_next(meta.layer_idx, meta.stage)
+
+    def _post_next(self, layer_idx: int, stage_idx: int) -> None:
+        """Post the receives of the (layer, stage) the loop serves next in this step, if any."""
+        if self._posted is not None:
+            return  # an item served twice: its successor is posted already
+        stage = stage_idx + 1
+        if stage == len(self._sources):
+            layer_idx, stage = self._next_layer.get(layer_idx), 0
+            if layer_idx is None:
+                return
+        self._posted = self._post(layer_idx, stage, self._sources[stage])

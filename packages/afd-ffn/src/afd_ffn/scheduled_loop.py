@@ -18,14 +18,11 @@ logger = logging.getLogger("vllm.afd")
 
 
 class ScheduledLoop(ServingLoop):
-    def __init__(self, connector: ScheduledFFNConnector, compute: ComputeFn,
-                 moe_layers: tuple[int, ...] | None = None):
+    def __init__(self, connector: ScheduledFFNConnector, compute: ComputeFn):
         if not isinstance(connector, ScheduledFFNConnector):
             raise ValueError(f"{type(connector).__name__} streams its work items: use the "
                              "streaming loop")
         super().__init__(connector, compute)
-        self.moe_layers = tuple(moe_layers if moe_layers is not None
-                                else connector.shape.moe_layers)
 
     def run_step(self) -> bool:
         """Serve one step. False once the attention side said STOP."""
@@ -35,7 +32,7 @@ class ScheduledLoop(ServingLoop):
             logger.info("AFD FFN rank %d: attention side stopped after %d steps",
                         conn.local_rank, self.steps_done)
             return False
-        for layer in self.moe_layers:
+        for layer in conn.shape.moe_layers:  # the order the connector posts receives in
             for stage in range(plan.num_stages):
                 self._answer(self._receive(conn.recv_layer, stage, layer))
         return self._served()

@@ -12,7 +12,7 @@ from afd_common.transport.codec import (STEP_FRAME_BYTES, decode_step, encode_st
                                         to_tensor)
 from afd_common.contract import ControlPlane, StepPlan
 from afd_common.errors import AFDPeerError, AFDProtocolError
-from afd_common.metadata import StepMetadata
+from afd_common.metadata import StepKind, StepMetadata
 from afd_common.topology import Topology
 from afd_common.transport.process_groups import PeerIO
 
@@ -28,6 +28,7 @@ class GlooControlPlane(ControlPlane):
         self.peers = peers
         self.role = role
         self._send_timeout_s = send_timeout_s
+        self._posted: dict | None = None  # the FFN side's receives of the next step
 
     def send_step(self, meta: StepMetadata) -> None:
         # The previous step's frames are long taken by now (the FFN side answered that step), so
@@ -37,9 +38,12 @@ class GlooControlPlane(ControlPlane):
         for peer in self.peers:
             self.io.isend(frame, peer, CONTROL_TAG)
 
-    def recv_step(self, timeout_s: float | None) -> StepPlan:
-        bufs = {p: self.io.irecv(torch.empty(STEP_FRAME_BYTES, dtype=torch.uint8), p,
+    def _post(self) -> dict:
+        return {p: self.io.irecv(torch.empty(STEP_FRAME_BYTES, dtype=torch.uint8), p,
                                  CONTROL_TAG, "the next step's metadata") for p in self.peers}
+
+    def recv_step(self, timeout_s: float | None) -> StepPlan:
+        bufs, self._posted = self._posted or self._post(), None
         per_source: dict[int, StepMetadata] = {}
         for peer, pending in bufs.items():
             raw = from_tensor(self.io.wait(pending, timeout_s))
@@ -55,6 +59,10 @@ class GlooControlPlane(ControlPlane):
                     f"attention ranks out of step: attention rank {a0} announced step "
                     f"{first.step} ({first.kind.name}, {first.num_stages} stages), attention "
                     f"rank {a} step {meta.step} ({meta.kind.name}, {meta.num_stages} stages)")
+        if first.kind != StepKind.STOP:
+            # The next step's frames can land as soon as they are sent: Gloo holds back a
+            # send whose receive is not posted, for a notification round trip.
+            self._posted = self._post()
         return StepPlan(step=first.step, per_source=per_source)
 
 

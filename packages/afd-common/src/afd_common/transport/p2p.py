@@ -23,7 +23,10 @@ ignored (NCCL, HCCL)::
     attention:  send [count]  send rows (if any)  recv result (if any rows)
     FFN:        recv [count]  recv rows (if any)  send result (if any rows)
 
-Neither side posts a receive before the sends that its peer's matching receive follows.
+Neither side posts a receive before the sends that its peer's matching receive follows. Within
+that order each receive is posted as early as it can be (the FFN side's next one right after its
+send, the attention side's reply right after its send): Gloo holds back a send whose receive is
+not posted yet for a notification round trip.
 """
 
 from __future__ import annotations

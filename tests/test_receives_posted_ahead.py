@@ -1,0 +1,77 @@
+"""The P2P connector's FFN half posts every receive before its loop asks for it: Gloo holds back
+a send whose receive is not posted and moves the data only after another notification round
+trip. Over the loopback transport, whose sends complete exactly when the peer posted the
+matching receive (as Gloo's), an attention rank's send is taken before the FFN side's loop calls
+for it -- the step's first layer when the plan arrives, each next (layer, stage) when the last
+result went out, the next step's frame when this one's arrived."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from afd_common.config import parse_afd_config
+from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
+from afd_common.registry import resolve_connector
+from afd_common.tools.launch import free_port
+
+CONNECTOR = "LoopbackAFDConnector"
+H = 8
+
+
+@pytest.fixture
+def pair():
+    shape = ModelShape(hidden_size=H, dtype=torch.float32, num_layers=3, moe_layers=(1, 2),
+                       architecture="t")
+    port = free_port()
+    a, f = (resolve_connector(CONNECTOR, role)(parse_afd_config(
+        {"role": role, "port": port, "connector": CONNECTOR,
+         "connector_extra_config": {"num_micro_batches": 2, "timeout_s": 10}}), 0, shape)
+        for role in ("attention", "ffn"))
+    t = threading.Thread(target=f.init)
+    t.start()
+    a.init()
+    t.join(30)
+    yield a, f
+    a.close()
+    f.close()
+
+
+def taken(a) -> bool:
+    """Whether the FFN side posted the receive of the attention side's last send."""
+    (work, _), = [sends[-1] for sends in a._net.data._pending.values()]
+    return work.is_completed()
+
+
+def test_each_send_finds_its_receive_posted(pair):
+    a, f = pair
+    rows = (3, 2)
+    for step in range(2):
+        a.begin_step(StepMetadata(step, StepKind.RUN, rows))
+        if step:  # posted when the previous step's frame arrived
+            assert taken(a)
+        plan = f.recv_step()
+        for layer in (1, 2):
+            pending = []
+            for stage in (0, 1):
+                x = torch.randn(rows[stage], H)
+                pending.append((x, a.send_attn_output(x, LayerCall(layer, stage))))
+                assert taken(a), f"layer {layer} stage {stage} of step {step}"
+                item = f.recv_layer(stage, layer)
+                f.send_ffn_output(item.hidden_states * 2, item)
+            for x, p in pending:
+                assert torch.equal(a.recv_ffn_output(p), x * 2)
+        a.end_step()
+        f.end_step()
+        assert plan.step == step
+
+
+def test_the_ffn_loop_must_serve_layers_and_stages_in_order(pair):
+    a, f = pair
+    a.begin_step(StepMetadata(0, StepKind.RUN, (1, 1)))
+    f.recv_step()
+    with pytest.raises(RuntimeError, match=r"recv_layer\(layer 1, stage 1\) while layer 1 "
+                                           r"stage 0 is next"):
+        f.recv_layer(1, 1)
