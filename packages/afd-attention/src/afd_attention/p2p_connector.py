@@ -27,6 +27,8 @@ class P2pAttentionConnector(AttentionConnector):
         # The FFN rank that gets all of this rank's rows, if one does (replicated, A >= F).
         self._one_link = (self._links[0].ffn_rank if len(self._links) == 1
                           and self._links[0].num_chunks == 1 else None)
+        self._one_dst = (None if self._one_link is None
+                         else self.topology.ffn_global_rank(self._one_link))
         self._rec = metrics.recorder("attention", self.config.connector)
 
     def _open(self):
@@ -45,7 +47,7 @@ class P2pAttentionConnector(AttentionConnector):
         if self._one_link is not None:  # every row to one FFN rank: no views to cut
             if not rows:
                 return self._pending(call, (torch.empty_like(hidden_states), ()))
-            dst = self.topology.ffn_global_rank(self._one_link)
+            dst = self._one_dst
             net.data.isend(pack(hidden_states, topk_ids, topk_weights), dst, tag)
             out = torch.empty_like(hidden_states)
             pending = net.data.irecv(out, dst, tag, what)

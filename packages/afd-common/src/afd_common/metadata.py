@@ -65,7 +65,7 @@ class WorkItemMeta:
     is_stop: bool = False
     kind: StepKind = StepKind.RUN
 
-    @property
+    @cached_property  # read twice per item on the FFN role's path to its send
     def num_tokens(self) -> int:
         return sum(rows for _, rows in self.sources)
 

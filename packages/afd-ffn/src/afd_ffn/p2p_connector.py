@@ -43,6 +43,8 @@ class P2pFFNConnector(ScheduledFFNConnector):
         layers = self.shape.moe_layers
         self._next_layer = dict(zip(layers, layers[1:]))
         self._posted: Posted | None = None
+        self._global = {link.attention_rank: self.topology.attention_global_rank(
+            link.attention_rank) for link in self._links}
 
     def _open(self):
         self._posted = None  # posted on a world that is gone
@@ -79,6 +81,10 @@ class P2pFFNConnector(ScheduledFFNConnector):
         meta = WorkItemMeta(layer_idx=layer_idx, stage=stage_idx, step=self._plan.step,
                             sources=sources, kind=self._plan.kind)
         data, timeout = self._net.data, self.timeouts.current()
+        if len(parts) == 1 and not gate:  # used where they land: the item is ready before
+            item = WorkItem(parts[0][0], meta)
+            data.wait(receives[0][2], timeout)
+            return item
         for _, _, p in receives:
             data.wait(p, timeout)
         if len(parts) == 1:
@@ -106,7 +112,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
             # host sync a sharded layer needs: the rows' receive is posted with their size.
             return Posted(layer_idx, stage_idx, tuple(
                 (a, bound, net.data.irecv(torch.empty(1, dtype=torch.int64, device=self.device),
-                                          topo.attention_global_rank(a), ctag, what))
+                                          self._global[a], ctag, what))
                 for a, bound in sources))
         return Posted(layer_idx, stage_idx, self._post_rows(layer_idx, stage_idx, sources))
 
@@ -117,7 +123,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
         return tuple(
             (a, n, net.data.irecv(empty_message(n, shape.hidden_size, shape.dtype, shape.top_k,
                                                 gate, self.device),
-                                  self.topology.attention_global_rank(a), tag, what))
+                                  self._global[a], tag, what))
             for a, n in sources if n)
 
     def _post_routed(self, counts, layer_idx: int, stage_idx: int):
@@ -145,13 +151,12 @@ class P2pFFNConnector(ScheduledFFNConnector):
         if len(sources) == 1:  # one attention rank's rows: no view to cut
             a, n = sources[0]
             if n:
-                net.data.isend(output, self.topology.attention_global_rank(a), tag)
+                net.data.isend(output, self._global[a], tag)
         else:
             start = 0
             for a, n in sources:
                 if n:
-                    net.data.isend(output[start:start + n],
-                                   self.topology.attention_global_rank(a), tag)
+                    net.data.isend(output[start:start + n], self._global[a], tag)
                     start += n
         self._post_next(meta.layer_idx, meta.stage)
 
