@@ -2,11 +2,26 @@
 
 Two spawned processes (1 attention rank, 1 FFN rank) on this machine. For each token count T the
 attention side runs steps of L MoE layers through the connector (control-plane message once per
-step, one message per direction per layer, FFN side returns its input) and, interleaved with them,
-the same number of raw round trips (send [T, H] then receive [T, H]) on a plain Gloo group. The
-per-layer time of the connector is the step time divided by L, so the control plane is paid for.
+step, one message per direction per layer, FFN side returns its input) and, right after each, the
+same number of raw round trips on a plain Gloo group, written the fastest way Gloo allows: every
+receive posted before the message it waits for is sent (the attention side posts the reply's
+receive before waiting; the FFN side posts the next layer's receive as soon as it sent a result,
+alternating two buffers), so the reference pays no notification round trip for a late receive.
+The per-layer time of the connector is the step time divided by L, so the control plane is paid
+for.
 
-    uv run --no-sync python benchmarks/transport.py [--layers 16] [--reps 30]
+Each step of the connector is paired with the raw round trips right after it, and the ratio is
+the median of those per-pair ratios: on a shared 2-core VM both drift together by 2-10x between
+seconds (another process's burst, a vCPU descheduled), and a ratio of two separate medians would
+measure that drift, not the connector.
+
+    uv run --no-sync python benchmarks/transport.py [--layers 16] [--reps 30] [--breakdown]
+
+``--breakdown`` also times each side's point-to-point calls (a thin wrapper around both groups)
+and prints where a layer's round trip goes, for the connector and the raw reference alike: the
+send calls, each wire leg (from a send's return until the peer's wait for it returns: the
+kernel's loopback path, Gloo's threads, waking the waiter), and each side's time from receiving
+to sending on (the connector's Python on the path of every layer).
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ from afd_common.config import parse_afd_config
 from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
 from afd_common.registry import resolve_connector
 from afd_common.tools.launch import free_port
+from afd_common.transport.control_plane import CONTROL_TAG
 
 H = 2048
 TOKENS = (1, 16, 128, 512)
@@ -55,12 +71,52 @@ def _gloo_opts():
     return opts
 
 
-def ffn_main(args, ports) -> None:
+class TimedWork:
+    def __init__(self, work, log, tag):
+        self._work, self._log, self._tag = work, log, tag
+
+    def wait(self, *args):
+        start = time.perf_counter()
+        out = self._work.wait(*args)
+        self._log.append(("recv", self._tag, start, time.perf_counter()))
+        return out
+
+
+class TimedGroup:
+    """A group whose send calls and receive waits are timed (``--breakdown``)."""
+
+    def __init__(self, group, log):
+        self._group, self._log = group, log
+
+    def send(self, tensors, dst, tag):
+        start = time.perf_counter()
+        work = self._group.send(tensors, dst, tag)
+        self._log.append(("send", tag, start, time.perf_counter()))
+        return work
+
+    def recv(self, tensors, src, tag):
+        return TimedWork(self._group.recv(tensors, src, tag), self._log, tag)
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+
+def timed(conn, raw, args):
+    """(connector log, raw log), the groups wrapped, if --breakdown."""
+    if not args.breakdown:
+        return None, raw
+    logs = [], []
+    conn._net.data.group = TimedGroup(conn._net.data.group, logs[0])
+    return logs, TimedGroup(raw, logs[1])
+
+
+def ffn_main(args, ports, q) -> None:
     torch.set_num_threads(1)
     conn = resolve_connector("P2pAFDConnector", "ffn")(config("ffn", ports[0]), 0,
                                                         shape(args.layers))
     raw = raw_group(1, ports[1])
     with conn:
+        logs, raw = timed(conn, raw, args)
         while True:
             plan = conn.recv_step()
             if plan.kind == StepKind.STOP:
@@ -71,10 +127,17 @@ def ffn_main(args, ports) -> None:
             conn.end_step()
             # The same number of raw round trips, right after.
             t = plan.per_source[0].stage_tokens[0]
-            buf = torch.empty(t, H, dtype=torch.bfloat16)
-            for _ in range(args.layers):
-                raw.recv([buf], 0, 0).wait()
-                raw.send([buf], 0, 0).wait()
+            bufs = [torch.empty(t, H, dtype=torch.bfloat16) for _ in range(2)]
+            recv, send = raw.recv([bufs[0]], 0, 0), None
+            for layer in range(args.layers):
+                recv.wait()
+                if send is not None:
+                    send.wait()
+                send = raw.send([bufs[layer % 2]], 0, 0)
+                if layer + 1 < args.layers:
+                    recv = raw.recv([bufs[(layer + 1) % 2]], 0, 0)
+            send.wait()
+    q.put(("ffn", logs))
 
 
 def attention_main(args, ports, q) -> None:
@@ -85,6 +148,7 @@ def attention_main(args, ports, q) -> None:
     results = {}
     step = 0
     with conn:
+        logs, raw = timed(conn, raw, args)
         for t in args.tokens:
             x = torch.randn(t, H).to(torch.bfloat16)
             back = torch.empty_like(x)
@@ -97,16 +161,18 @@ def attention_main(args, ports, q) -> None:
                 conn.end_step()
                 t1 = time.perf_counter()
                 for _ in range(args.layers):
-                    raw.send([x], 1, 0).wait()
+                    send = raw.send([x], 1, 0)
                     raw.recv([back], 1, 0).wait()
+                    send.wait()
                 t2 = time.perf_counter()
                 step += 1
                 if rep >= 3:  # warm-up
                     afd.append((t1 - t0) / args.layers)
                     base.append((t2 - t1) / args.layers)
             assert torch.equal(y, x) and torch.equal(back, x)
-            results[t] = (statistics.median(afd), statistics.median(base))
-    q.put(results)
+            results[t] = (statistics.median(afd), statistics.median(base),
+                          statistics.median(a / b for a, b in zip(afd, base)))
+    q.put(("attention", (results, logs)))
 
 
 def main(argv=None) -> int:
@@ -114,19 +180,28 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print where a layer's round trip goes, leg by leg")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ports = (free_port(), free_port())
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = [ctx.Process(target=ffn_main, args=(args, ports)),
+    # vLLM's CPU build asks for tcmalloc (LD_PRELOAD), which keeps freed memory for the next
+    # allocation. glibc's malloc gives a freed 2 MiB buffer back to the OS and faults the next
+    # one in page by page: +0.1-0.3 ms per layer at 512 tokens, measured. The ranks keep theirs,
+    # as a role served the way vLLM asks would (the raw loop allocates nothing either way).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(256 << 20))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+    procs = [ctx.Process(target=ffn_main, args=(args, ports, q)),
              ctx.Process(target=attention_main, args=(args, ports, q))]
     for p in procs:
         p.start()
-    results = None
-    while results is None:  # a rank that failed (its traceback is above) ends the run
+    got: dict = {}
+    while len(got) < 2:  # a rank that failed (its traceback is above) ends the run
         try:
-            results = q.get(timeout=1)
+            role, value = q.get(timeout=1)
+            got[role] = value
         except queue.Empty:
             if any(p.exitcode not in (None, 0) for p in procs):
                 for p in procs:
@@ -135,14 +210,53 @@ def main(argv=None) -> int:
                 return 1
     for p in procs:
         p.join(60)
+    results, attention_logs = got["attention"]
     print(f"P2pAFDConnector vs raw torch.distributed (Gloo, 127.0.0.1), H={H}, bf16, "
-          f"median per-layer round trip over {args.reps} steps of {args.layers} layers")
+          f"median per-layer round trip and median paired ratio over {args.reps} steps of "
+          f"{args.layers} layers")
     print(f"{'T':>5} {'connector ms':>13} {'raw ms':>8} {'ratio':>6}")
-    for t, (afd, base) in results.items():
-        print(f"{t:>5} {afd * 1e3:>13.3f} {base * 1e3:>8.3f} {afd / base:>6.2f}")
-    worst = max(a / b for a, b in results.values())
+    for t, (afd, base, ratio) in results.items():
+        print(f"{t:>5} {afd * 1e3:>13.3f} {base * 1e3:>8.3f} {ratio:>6.2f}")
+    worst = max(ratio for _, _, ratio in results.values())
     print(f"worst ratio {worst:.2f} (target <= 1.10)")
+    if args.breakdown:
+        print_breakdown(args, attention_logs, got["ffn"])
     return 0
+
+
+LEGS = ("attention: send call", "wire to the FFN side", "FFN: rows in hand -> send issued",
+        "FFN: send call", "wire back", "attention: result in hand -> next send issued")
+
+
+def legs(a_log, f_log, layers: int, per_size: int, chunk: int) -> list[float]:
+    """Median microseconds of each of LEGS over the layers of one token count. Control-plane
+    frames are left out; the last layer of a step has no next send (the step's end is not a
+    leg)."""
+    def data(log, kind):
+        events = [e for e in log if e[0] == kind and e[1] != CONTROL_TAG]
+        return events[chunk * per_size:(chunk + 1) * per_size]
+    a_send, a_recv = data(a_log, "send"), data(a_log, "recv")
+    f_recv, f_send = data(f_log, "recv"), data(f_log, "send")
+    out = [[] for _ in LEGS]
+    for i in range(per_size):
+        for leg, v in enumerate((a_send[i][3] - a_send[i][2], f_recv[i][3] - a_send[i][3],
+                                 f_send[i][2] - f_recv[i][3], f_send[i][3] - f_send[i][2],
+                                 a_recv[i][3] - f_send[i][3])):
+            out[leg].append(v)
+        if i % layers != layers - 1:
+            out[5].append(a_send[i + 1][2] - a_recv[i][3])
+    return [statistics.median(v) * 1e6 for v in out]
+
+
+def print_breakdown(args, attention_logs, ffn_logs) -> None:
+    per_size = (args.reps + 3) * args.layers
+    for chunk, t in enumerate(args.tokens):
+        conn = legs(attention_logs[0], ffn_logs[0], args.layers, per_size, chunk)
+        raw = legs(attention_logs[1], ffn_logs[1], args.layers, per_size, chunk)
+        print(f"\nwhere a layer's round trip goes, T={t} (median us)"
+              f"{'connector':>14} {'raw':>8} {'extra':>8}")
+        for name, c, r in zip(LEGS, conn, raw):
+            print(f"  {name:<46} {c:>8.1f} {r:>8.1f} {c - r:>+8.1f}")
 
 
 if __name__ == "__main__":

@@ -13,10 +13,17 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 def test_transport_benchmark_round_trips_and_prints_the_ratio_per_size():
     out = subprocess.run([sys.executable, str(BENCHMARKS / "transport.py"), "--layers", "2",
-                          "--reps", "2", "--tokens", "1", "16"], capture_output=True, text=True,
-                         timeout=180)
+                          "--reps", "2", "--tokens", "1", "16", "--breakdown"],
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out.stdout, re.M)
     assert [int(r[0]) for r in rows] == [1, 16], out.stdout
     assert all(float(v) > 0 for r in rows for v in r[1:]), out.stdout
     assert "worst ratio" in out.stdout
+    # Each leg of a layer's round trip, for the connector and the raw loop, at each size.
+    legs = re.findall(r"^  (\S.*?)\s+(-?[\d.]+)\s+(-?[\d.]+)\s+([+-][\d.]+)$", out.stdout,
+                      re.M)
+    assert [leg[0] for leg in legs[:6]] == [
+        "attention: send call", "wire to the FFN side", "FFN: rows in hand -> send issued",
+        "FFN: send call", "wire back", "attention: result in hand -> next send issued"], out.stdout
+    assert len(legs) == 2 * 6, out.stdout
