@@ -231,6 +231,17 @@ def test_cli_defaults_and_validation():
             parse_args(bad)
 
 
+def test_every_server_gets_the_same_dtype():
+    from afd_common.tools.bench.cli import Bench
+
+    for argv, dtype in ((["--kv-cache-gib", "1"], "float32"),
+                        (["--kv-cache-gib", "1", "--dtype", "bfloat16"], "bfloat16")):
+        args = Bench(parse_args(argv), "model", 100).server_args
+        assert args[args.index("--dtype") + 1] == dtype
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", "float16"])
+
+
 def test_hosts_rates_are_read_as_tc_writes_them_and_bad_ones_named(capsys):
     args = parse_args(["--hosts", "100mbit, 1Gbit"])
     assert args.rates == ["100mbit", "1gbit"] and parse_args([]).rates == []

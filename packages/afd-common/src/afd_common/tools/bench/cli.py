@@ -116,7 +116,7 @@ class Bench:
         # The same KV cache and model length everywhere, sized for the load rather than for a
         # fraction of RAM: less to allocate at start-up, room for other processes.
         self.server_args = ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30)),
-                            "--max-model-len", str(args.max_model_len)]
+                            "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
         self.logs = args.out / "logs"
         a, f = args.core_list
         self.cores = {"colocated_t1": [a], "colocated_t2": [a, f], "attention": [a], "ffn": [f]}

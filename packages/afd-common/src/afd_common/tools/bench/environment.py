@@ -60,7 +60,8 @@ def _positions(model: Path) -> int | None:
         return None
 
 
-# afd-bench serves float32; a model whose KV layout is not known gets this much a token.
+# The KV cache is sized for float32 (twice what --dtype bfloat16 needs); a model whose KV
+# layout is not known gets this much a token.
 KV_DTYPE_BYTES = 4
 KV_BYTES_UNKNOWN = 64 * 2**10
 
@@ -122,7 +123,7 @@ def describe_setup(args, info: dict, moe_layers: int, total_s: float, links: lis
                   "num_attention_heads": cfg.get("num_attention_heads"),
                   "num_key_value_heads": cfg.get("num_key_value_heads"),
                   "head_dim": cfg.get("head_dim"),
-                  "vocab_size": cfg.get("vocab_size"), "dtype": "float32",
+                  "vocab_size": cfg.get("vocab_size"), "dtype": args.dtype,
                   "num_parameters": info.get("num_parameters"),
                   "generated": args.model is None},
         "cores": {"colocated_t1": args.core_list[:1], "colocated_t2": args.core_list,
@@ -133,7 +134,7 @@ def describe_setup(args, info: dict, moe_layers: int, total_s: float, links: lis
                  "output_len": args.output_len, "repeats": args.repeats,
                  "warmup_tokens": args.warmup_tokens, "temperature": 0, "ignore_eos": True,
                  "quick": args.quick},
-        "server": {"kv_cache_gib": args.kv_cache_gib, "dtype": "float32",
+        "server": {"kv_cache_gib": args.kv_cache_gib, "dtype": args.dtype,
                    "enforce_eager": True, "max_model_len": args.max_model_len},
         "afd": {"connector": args.connector, "compute_gate_on_attention": args.gate_on_attention,
                 "micro_batches": args.mb_list},

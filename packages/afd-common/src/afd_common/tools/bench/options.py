@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skip-colocated", action="store_true", help="AFD runs only (no ratios)")
     m = ap.add_argument_group("model (generated with afd_common.tools.tiny_model, float32)")
     m.add_argument("--model", type=Path, help="serve this checkpoint instead of generating one")
+    m.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="every server's --dtype, colocated and both AFD roles alike (bfloat16 "
+                   "needs a CPU with avx512_bf16 or AMX for speed)")
     m.add_argument("--arch", default="qwen3_moe",
                    help="any architecture afd-tiny-model writes (default qwen3_moe)")
     m.add_argument("--hidden-size", type=int, default=1024)
