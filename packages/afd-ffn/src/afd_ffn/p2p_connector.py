@@ -7,10 +7,11 @@ refused before anything is allocated. Rank layout and the A:F mapping: ``afd_com
 message layout and the order on a link: ``afd_common.transport.p2p``.
 
 Each (layer, stage)'s receives are posted as soon as the previous result is sent (the first
-one's when the step's plan arrives), not when the loop asks for them: Gloo holds back a send whose receive is not posted yet and moves the data only after a
-second notification round trip, so a receive posted late costs a round trip per layer. The order
-of operations on every link stays the one ``p2p`` lists (it is only earlier in time), so in-order
-transports (NCCL, HCCL) are as safe as before.
+one's when the step's plan arrives), not when the loop asks for them: Gloo holds back a send whose
+receive is not posted yet and moves the data only after a second notification round trip, so a
+receive posted late costs a round trip per layer. The order of operations on every link stays
+the one ``p2p`` lists (it is only earlier in time), so in-order transports (NCCL, HCCL) are as
+safe as before.
 """
 
 from __future__ import annotations
