@@ -231,6 +231,22 @@ def test_cli_defaults_and_validation():
             parse_args(bad)
 
 
+def test_the_split_verdict_says_what_micro_batches_cost_each_role_and_which_m_won():
+    def entry(attn, ffn, ratio, status="ok"):
+        return {"status": status, "attention_compute_ms_per_step": attn,
+                "ffn_compute_ms_per_step": ffn, "ratio_vs_colocated": ratio}
+    costs, line = stats.split_verdict({1: entry(40.0, 50.0, 0.6), 2: entry(50.0, 55.0, 0.7),
+                                       3: entry(60.0, 75.0, 0.65)}, "ratio_vs_colocated")
+    assert costs == {2: pytest.approx({"attention": 0.25, "ffn": 0.10}),
+                     3: pytest.approx({"attention": 0.5, "ffn": 0.5})}
+    assert line == ("split cost (compute per step against m = 1): m = 2 attention +25% / FFN "
+                    "+10%, m = 3 attention +50% / FFN +50%; fastest measured: m = 2 (0.70x "
+                    "colocated)")
+    # A failed run is no measurement; one m alone has nothing to compare.
+    assert stats.split_verdict({1: entry(40.0, 50.0, 0.6), 2: entry(None, None, None, "failed")},
+                               "ratio_vs_colocated") is None
+
+
 def test_every_server_gets_the_same_dtype():
     from afd_common.tools.bench.cli import Bench
 

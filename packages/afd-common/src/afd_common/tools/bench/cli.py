@@ -412,9 +412,13 @@ def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_
         for link in host_links(args):
             ordered[config_name(m, link)] = results.get(config_name(m, link),
                                                         report.empty_result(link=link))
+    verdict = stats.split_verdict({m: ordered[f"afd_m{m}"] for m in args.mb_list},
+                                  "ratio_vs_colocated")
+    for m, cost in (verdict[0] if verdict else {}).items():
+        ordered[f"afd_m{m}"]["split_cost"] = cost
     report.write_json(args.out / "bench.json", setup, ordered)
     report.write_chart(args.out / "bench.png", ordered, title)
-    return report.table(ordered)
+    return report.table(ordered) + (f"\n{verdict[1]}" if verdict else "")
 
 
 if __name__ == "__main__":

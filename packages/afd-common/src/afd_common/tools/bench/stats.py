@@ -211,6 +211,29 @@ def describe_sizing(hint: dict, attention_per_ffn: float) -> str:
             f"(measured at {attention_per_ffn:.2f}:1)")
 
 
+def split_verdict(afd: dict[int, dict], ratio_key: str) -> tuple[dict[int, dict], str] | None:
+    """What splitting a step into micro-batches measurably cost, which the sizing hint cannot
+    know: each m's compute per step on each role against the smallest m measured (on CPU each
+    micro-batch reads the weights it touches again), and the m that came out fastest. ``afd``:
+    m -> that configuration's entry. Returns (m -> {"attention": growth, "ffn": growth} for the
+    split runs, the line afd-bench prints); None with fewer than two m measured."""
+    keys = ("attention_compute_ms_per_step", "ffn_compute_ms_per_step")
+    ok = {m: e for m, e in afd.items() if e.get("status") == "ok"
+          and all(e.get(k) for k in keys) and e.get(ratio_key) is not None}
+    if len(ok) < 2:
+        return None
+    base_m, *split = sorted(ok)
+    base = ok[base_m]
+    costs = {m: {role: ok[m][k] / base[k] - 1 for role, k in zip(("attention", "ffn"), keys)}
+             for m in split}
+    best = max(ok, key=lambda m: ok[m][ratio_key])
+    parts = ", ".join(f"m = {m} attention {c['attention']:+.0%} / FFN {c['ffn']:+.0%}"
+                      for m, c in costs.items())
+    line = (f"split cost (compute per step against m = {base_m}): {parts}; fastest measured: "
+            f"m = {best} ({ok[best][ratio_key]:.2f}x colocated)")
+    return costs, line
+
+
 def moe_layer_count(config: dict) -> int:
     """MoE layers of a Hugging Face config (Qwen3-MoE or DeepSeek-V2/V3)."""
     layers = int(config["num_hidden_layers"])
