@@ -46,6 +46,7 @@ from afd_common.transport.control_plane import CONTROL_TAG
 
 H = 2048
 TOKENS = (1, 16, 128, 512)
+WARMUP = 3  # steps per token count before the measured ones
 
 
 def shape(layers: int) -> ModelShape:
@@ -153,7 +154,7 @@ def attention_main(args, ports, q) -> None:
             x = torch.randn(t, H).to(torch.bfloat16)
             back = torch.empty_like(x)
             afd, base = [], []
-            for rep in range(args.reps + 3):
+            for rep in range(WARMUP + args.reps):
                 t0 = time.perf_counter()
                 conn.begin_step(StepMetadata(step, StepKind.RUN, (t,)))
                 for layer in range(args.layers):
@@ -166,7 +167,7 @@ def attention_main(args, ports, q) -> None:
                     send.wait()
                 t2 = time.perf_counter()
                 step += 1
-                if rep >= 3:  # warm-up
+                if rep >= WARMUP:
                     afd.append((t1 - t0) / args.layers)
                     base.append((t2 - t1) / args.layers)
             assert torch.equal(y, x) and torch.equal(back, x)
@@ -228,15 +229,17 @@ LEGS = ("attention: send call", "wire to the FFN side", "FFN: rows in hand -> se
         "FFN: send call", "wire back", "attention: result in hand -> next send issued")
 
 
+def data_events(log, kind: str) -> list:
+    """A log's sends or receive waits of the data plane (control-plane frames left out)."""
+    return [e for e in log if e[0] == kind and e[1] != CONTROL_TAG]
+
+
 def legs(a_log, f_log, layers: int, per_size: int, chunk: int) -> list[float]:
-    """Median microseconds of each of LEGS over the layers of one token count. Control-plane
-    frames are left out; the last layer of a step has no next send (the step's end is not a
-    leg)."""
-    def data(log, kind):
-        events = [e for e in log if e[0] == kind and e[1] != CONTROL_TAG]
-        return events[chunk * per_size:(chunk + 1) * per_size]
-    a_send, a_recv = data(a_log, "send"), data(a_log, "recv")
-    f_recv, f_send = data(f_log, "recv"), data(f_log, "send")
+    """Median microseconds of each of LEGS over the layers of one token count; the logs are
+    (sends, receive waits) from ``data_events``. The last layer of a step has no next send (the
+    step's end is not a leg)."""
+    window = slice(chunk * per_size, (chunk + 1) * per_size)
+    (a_send, a_recv), (f_send, f_recv) = ((s[window], r[window]) for s, r in (a_log, f_log))
     out = [[] for _ in LEGS]
     for i in range(per_size):
         for leg, v in enumerate((a_send[i][3] - a_send[i][2], f_recv[i][3] - a_send[i][3],
@@ -249,10 +252,12 @@ def legs(a_log, f_log, layers: int, per_size: int, chunk: int) -> list[float]:
 
 
 def print_breakdown(args, attention_logs, ffn_logs) -> None:
-    per_size = (args.reps + 3) * args.layers
+    per_size = (WARMUP + args.reps) * args.layers
+    a_logs, f_logs = ([(data_events(log, "send"), data_events(log, "recv")) for log in logs]
+                      for logs in (attention_logs, ffn_logs))
     for chunk, t in enumerate(args.tokens):
-        conn = legs(attention_logs[0], ffn_logs[0], args.layers, per_size, chunk)
-        raw = legs(attention_logs[1], ffn_logs[1], args.layers, per_size, chunk)
+        conn = legs(a_logs[0], f_logs[0], args.layers, per_size, chunk)
+        raw = legs(a_logs[1], f_logs[1], args.layers, per_size, chunk)
         print(f"\nwhere a layer's round trip goes, T={t} (median us)"
               f"{'connector':>14} {'raw':>8} {'extra':>8}")
         for name, c, r in zip(LEGS, conn, raw):

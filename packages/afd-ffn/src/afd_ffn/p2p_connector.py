@@ -81,13 +81,13 @@ class P2pFFNConnector(ScheduledFFNConnector):
                  for _, n, p in receives]
         meta = WorkItemMeta(layer_idx=layer_idx, stage=stage_idx, step=self._plan.step,
                             sources=sources, kind=self._plan.kind)
+        # One source's rows without routing are used where they land: the item is ready before.
+        item = WorkItem(parts[0][0], meta) if len(parts) == 1 and not gate else None
         data, timeout = self._net.data, self.timeouts.current()
-        if len(parts) == 1 and not gate:  # used where they land: the item is ready before
-            item = WorkItem(parts[0][0], meta)
-            data.wait(receives[0][2], timeout)
-            return item
         for _, _, p in receives:
             data.wait(p, timeout)
+        if item is not None:
+            return item
         if len(parts) == 1:
             hidden, ids, weights = parts[0]
         elif parts:

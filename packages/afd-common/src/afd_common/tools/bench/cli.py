@@ -393,10 +393,11 @@ def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_
     if args.context_list:
         doc = sweep.contexts(results, args, moe_layers)
         balance = sweep.balance_context(doc, args)
+        verdicts = sweep.verdicts(doc)
         sweep.write_json(args.out / "bench.json", setup, doc, balance)
         sweep.write_chart(args.out / "bench.png", doc, balance,
                           [f"afd_m{m}" for m in args.mb_list], title)
-        return sweep.table(doc, balance)
+        return "\n".join([sweep.table(doc, balance), *verdicts])
     colocated = {k: results.get(k, {}) for k in ("colocated_t1", "colocated_t2")}
     best = stats.faster({k: v for k, v in colocated.items() if v.get("status") == "ok"})
     base = best[1]["tokens_per_s"] if best else None
@@ -412,13 +413,10 @@ def finish(results: dict, args, info: dict, moe_layers: int, model: Path, total_
         for link in host_links(args):
             ordered[config_name(m, link)] = results.get(config_name(m, link),
                                                         report.empty_result(link=link))
-    verdict = stats.split_verdict({m: ordered[f"afd_m{m}"] for m in args.mb_list},
-                                  "ratio_vs_colocated")
-    for m, cost in (verdict[0] if verdict else {}).items():
-        ordered[f"afd_m{m}"]["split_cost"] = cost
+    verdict = stats.mark_split_cost({m: ordered[f"afd_m{m}"] for m in args.mb_list})
     report.write_json(args.out / "bench.json", setup, ordered)
     report.write_chart(args.out / "bench.png", ordered, title)
-    return report.table(ordered) + (f"\n{verdict[1]}" if verdict else "")
+    return "\n".join([report.table(ordered), *([verdict] if verdict else [])])
 
 
 if __name__ == "__main__":

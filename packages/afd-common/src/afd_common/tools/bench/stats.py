@@ -234,6 +234,17 @@ def split_verdict(afd: dict[int, dict], ratio_key: str) -> tuple[dict[int, dict]
     return costs, line
 
 
+def mark_split_cost(afd: dict[int, dict]) -> str | None:
+    """``split_verdict`` against colocated throughput, each split run's cost kept in its entry
+    (``split_cost`` in bench.json); the line to print, if any."""
+    verdict = split_verdict(afd, "ratio_vs_colocated")
+    if verdict is None:
+        return None
+    for m, cost in verdict[0].items():
+        afd[m]["split_cost"] = cost
+    return verdict[1]
+
+
 def moe_layer_count(config: dict) -> int:
     """MoE layers of a Hugging Face config (Qwen3-MoE or DeepSeek-V2/V3)."""
     layers = int(config["num_hidden_layers"])

@@ -56,10 +56,6 @@ def contexts(results: dict[str, dict], args, moe_layers: int) -> dict[str, dict]
                 e["ideal_step_ms"] = ideal
                 e["ideal_ratio_vs_colocated"] = (stats.ratio(args.concurrency * 1000 / ideal,
                                                              base) if ideal else None)
-        verdict = stats.split_verdict({int(n[5:]): entries[n] for n in afd},
-                                      "ratio_vs_colocated")
-        for m, cost in (verdict[0] if verdict else {}).items():
-            entries[f"afd_m{m}"]["split_cost"] = cost
         colocated = ({**best[1], "source": best[0]} if best
                      else {**_decode_view(None, False), "source": None})
         out[str(c)] = {"colocated": colocated, **entries}
@@ -67,13 +63,14 @@ def contexts(results: dict[str, dict], args, moe_layers: int) -> dict[str, dict]
 
 
 def verdicts(doc: dict[str, dict]) -> list[str]:
-    """Each context's measured split cost and fastest m, as afd-bench prints them."""
+    """Each context's measured split cost (kept in its AFD entries) and fastest m, as afd-bench
+    prints them."""
     out = []
     for c, entries in doc.items():
-        afd = {int(n[5:]): e for n, e in entries.items() if n.startswith("afd_m")}
-        verdict = stats.split_verdict(afd, "ratio_vs_colocated")
-        if verdict:
-            out.append(f"{c}: {verdict[1]}")
+        line = stats.mark_split_cost({int(n[5:]): e for n, e in entries.items()
+                                      if n.startswith("afd_m")})
+        if line:
+            out.append(f"{c}: {line}")
     return out
 
 
@@ -111,9 +108,9 @@ def table(doc: dict[str, dict], balance: int | None) -> str:
             mark = " <- balance" if name == "colocated" and int(c) == balance else ""
             rows.append([c + mark, report.label(name, e)]
                         + [report.fmt(e.get(key), d) for _, key, d in COLUMNS[2:]])
-    return "\n".join([report.render([h for h, _, _ in COLUMNS], rows, 2,
-                                     "(decode only; times in ms; t_a/t_e/t_c per MoE layer and "
-                                     "micro-batch; TTFT is the prefill)"), *verdicts(doc)])
+    return report.render([h for h, _, _ in COLUMNS], rows, 2,
+                         "(decode only; times in ms; t_a/t_e/t_c per MoE layer and "
+                         "micro-batch; TTFT is the prefill)")
 
 
 def write_chart(path: Path, doc: dict[str, dict], balance: int | None, afd: list[str],
