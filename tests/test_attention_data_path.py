@@ -301,7 +301,7 @@ def test_dp_ranks_lost_a_forward_apart_line_up_on_the_next_ffn_role(deploy, monk
             return send(self, output, item)
         armed.clear()
         rows = dict(item.meta.sources)
-        meta = dataclasses.replace(item.meta, sources=((0, 0), (1, rows[1])))
+        meta = item.meta._replace(sources=((0, 0), (1, rows[1])))
         send(self, output[rows[0]:], dataclasses.replace(item, meta=meta))
         threading.Thread(target=d.restart_ffn).start()
     monkeypatch.setattr(LoopbackFFNConnector, "send_ffn_output", send_rank_1_only_then_die)

@@ -75,3 +75,36 @@ def test_the_ffn_loop_must_serve_layers_and_stages_in_order(pair):
     with pytest.raises(RuntimeError, match=r"recv_layer\(layer 1, stage 1\) while layer 1 "
                                            r"stage 0 is next"):
         f.recv_layer(1, 1)
+
+
+def test_receive_buffers_are_reused_two_layers_on(pair):
+    """The FFN half receives into two buffers per stage in turn (no allocation on the path from
+    a result to the next receive): an item's rows stay intact until the result of its stage's
+    next layer is sent, and the same (layer, stage) of the next step lands in the same buffer."""
+    a, f = pair
+    rows = (3, 2)
+    seen = {}
+    for step in range(2):
+        a.begin_step(StepMetadata(step, StepKind.RUN, rows))
+        f.recv_step()
+        held = {}
+        for layer in (1, 2):
+            pending = []
+            for stage in (0, 1):
+                x = torch.full((rows[stage], H), float(10 * step + layer + stage / 10))
+                pending.append((x, a.send_attn_output(x, LayerCall(layer, stage))))
+                item = f.recv_layer(stage, layer)
+                if layer == 2:  # layer 1's rows of this stage: still there
+                    old, want = held[stage]
+                    assert torch.equal(old.hidden_states, want), f"step {step} stage {stage}"
+                held[stage] = (item, x.clone())
+                ptr = item.hidden_states.data_ptr()
+                if step:
+                    assert ptr == seen[layer, stage], f"layer {layer} stage {stage}: new buffer"
+                seen[layer, stage] = ptr
+                f.send_ffn_output(item.hidden_states + 1, item)
+            for x, p in pending:
+                assert torch.equal(a.recv_ffn_output(p), x + 1)
+        a.end_step()
+        f.end_step()
+    assert len(set(seen.values())) == 4  # two per stage

@@ -4,13 +4,10 @@ the world in one process (afd_common.transport.loopback), for tests and examples
 from __future__ import annotations
 
 from afd_common.transport.loopback import PROTOCOL
-from afd_common.transport.p2p import open_p2p_world
 
 from afd_attention.p2p_connector import P2pAttentionConnector
 
 
 class LoopbackAttentionConnector(P2pAttentionConnector):
     protocol = PROTOCOL
-
-    def _open(self):
-        return open_p2p_world(self, backend="loopback")
+    backend = "loopback"

@@ -20,6 +20,7 @@ from afd_common.contract import AttentionConnector
 
 class P2pAttentionConnector(AttentionConnector):
     protocol = PROTOCOL
+    backend: str | None = None  # the configured one (open_p2p_world)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -32,7 +33,7 @@ class P2pAttentionConnector(AttentionConnector):
         self._rec = metrics.recorder("attention", self.config.connector)
 
     def _open(self):
-        return open_p2p_world(self)
+        return open_p2p_world(self, self.backend)
 
     def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None):
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)

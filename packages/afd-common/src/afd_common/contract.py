@@ -47,8 +47,8 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -78,14 +78,17 @@ class Timeouts:
         return cls(config.extra.first_step_timeout_s, config.extra.step_timeout_s)
 
 
-@dataclass(frozen=True)
-class PendingResult:
+class PendingResult(NamedTuple):
     """What ``send_attn_output`` returns and ``recv_ffn_output`` consumes, once: the connector's
     state of one call in flight (buffers, posted receives, where each row went), opaque to the
-    caller -- like DeepEP's dispatch handle, which its combine consumes."""
+    caller -- like DeepEP's dispatch handle, which its combine consumes. A tuple: one is made per
+    layer on the path from a result to the next send."""
 
     call: LayerCall
-    state: Any = field(default=None, repr=False)
+    state: Any = None
+
+    def __repr__(self) -> str:
+        return f"PendingResult({self.call})"
 
 
 @dataclass(frozen=True)
@@ -310,22 +313,25 @@ class AttentionConnector(AFDConnector):
         shape, step = self.shape, self._step
         if step is None:
             raise RuntimeError("send_attn_output before begin_step")
-        shape.check_layer(call.layer_idx)
-        if not 0 <= call.stage < step.num_stages:
-            raise ValueError(f"stage {call.stage} out of range: step {step.step} has "
-                             f"{step.num_stages} stages")
+        layer, stage = call
+        shape.check_layer(layer)
+        tokens = step.stage_tokens
+        if not 0 <= stage < len(tokens):
+            raise ValueError(f"stage {stage} out of range: step {step.step} has "
+                             f"{len(tokens)} stages")
         if call in self._inflight:
             raise RuntimeError(f"{call} sent twice without receiving its result")
-        if hidden.dim() != 2 or hidden.shape[1] != shape.hidden_size:
-            raise ValueError(f"hidden states of shape {tuple(hidden.shape)}: expected "
+        size = hidden.shape
+        if len(size) != 2 or size[1] != shape.hidden_size:
+            raise ValueError(f"hidden states of shape {tuple(size)}: expected "
                              f"[tokens, {shape.hidden_size}] (hidden_size)")
         if hidden.dtype != shape.dtype:
             raise ValueError(f"hidden states of dtype {hidden.dtype}: this AFD world moves "
                              f"{shape.dtype}")
-        rows = hidden.shape[0]
-        if rows != step.stage_tokens[call.stage]:
-            raise ValueError(f"layer {call.layer_idx} stage {call.stage}: {rows} rows, but step "
-                             f"{step.step} announced {step.stage_tokens[call.stage]}")
+        rows = size[0]
+        if rows != tokens[stage]:
+            raise ValueError(f"layer {layer} stage {stage}: {rows} rows, but step "
+                             f"{step.step} announced {tokens[stage]}")
         gate = self.config.compute_gate_on_attention
         if gate != (topk_ids is not None) or (topk_ids is None) != (topk_weights is None):
             raise ValueError("topk_ids/topk_weights must be given exactly when "
@@ -382,7 +388,9 @@ class ScheduledFFNConnector(AFDConnector):
                    max_num_tokens: int | None = None) -> WorkItem:
         """The rows of ``layer_idx`` and ``stage_idx`` the plan announced. Asked for in order
         (MoE layers ascending, each layer's stages ascending), so a half may post its receives
-        ahead. Bounded wait."""
+        ahead. The item's tensors may be the half's receive buffers: they hold this item's rows
+        until the result of the same stage's next layer is sent (a runner that keeps them longer
+        copies them). Bounded wait."""
 
     @abc.abstractmethod
     def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
@@ -446,7 +454,7 @@ class ScheduledFFNConnector(AFDConnector):
     def _check_output(self, output: torch.Tensor, rows: int) -> None:
         self._require_net()
         want = (rows, self.shape.hidden_size)
-        if tuple(output.shape) != want or output.dtype != self.shape.dtype:
+        if output.shape != want or output.dtype != self.shape.dtype:
             raise ValueError(f"FFN output of shape {tuple(output.shape)} {output.dtype}: "
                              f"expected {want} {self.shape.dtype}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -41,21 +42,22 @@ class StepMetadata:
         return len(self.stage_tokens)
 
 
-@dataclass(frozen=True)
-class LayerCall:
-    """Which remote MoE call this is: the attention side's handle for a send/recv pair."""
+class LayerCall(NamedTuple):
+    """Which remote MoE call this is: the attention side's handle for a send/recv pair. A tuple:
+    made, hashed and compared per layer on the path between a result and the next send, where a
+    dataclass's Python-level ``__init__`` and ``__hash__`` cost microseconds."""
 
     layer_idx: int
     stage: int = 0
 
 
-@dataclass(frozen=True)
-class WorkItemMeta:
+class WorkItemMeta(NamedTuple):
     """Metadata of one batch of rows the FFN side must run through one layer's experts.
 
     ``sources`` are ``(attention_rank, rows)`` in the order the rows are concatenated; the result
     is split back the same way. ``layer_idx`` comes from the FFN serving loop's schedule (sync
-    connectors) or off the wire (async connectors, where the receive loop is the clock).
+    connectors) or off the wire (async connectors, where the receive loop is the clock). A tuple,
+    like ``LayerCall``: one is made per layer between the FFN role's send and its next wait.
     """
 
     layer_idx: int
@@ -65,9 +67,10 @@ class WorkItemMeta:
     is_stop: bool = False
     kind: StepKind = StepKind.RUN
 
-    @cached_property  # read twice per item on the FFN role's path to its send
+    @property
     def num_tokens(self) -> int:
-        return sum(rows for _, rows in self.sources)
+        sources = self.sources
+        return sources[0][1] if len(sources) == 1 else sum(rows for _, rows in sources)
 
 
 @dataclass

@@ -4,13 +4,10 @@ world in one process (afd_common.transport.loopback), for tests and examples."""
 from __future__ import annotations
 
 from afd_common.transport.loopback import PROTOCOL
-from afd_common.transport.p2p import open_p2p_world
 
 from afd_ffn.p2p_connector import P2pFFNConnector
 
 
 class LoopbackFFNConnector(P2pFFNConnector):
     protocol = PROTOCOL
-
-    def _open(self):
-        return open_p2p_world(self, backend="loopback")
+    backend = "loopback"

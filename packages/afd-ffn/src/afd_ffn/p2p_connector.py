@@ -22,8 +22,8 @@ import torch
 
 from afd_common.errors import AFDProtocolError
 from afd_common.metadata import StepKind, WorkItem, WorkItemMeta
-from afd_common.transport.p2p import (PROTOCOL, count_tag, data_tag, empty_message, open_p2p_world,
-                                 unpack)
+from afd_common.transport.p2p import (PROTOCOL, ReceiveBuffers, count_tag, data_tag,
+                                      open_p2p_world, unpack)
 from afd_common.contract import ScheduledFFNConnector
 
 
@@ -38,6 +38,7 @@ class Posted(NamedTuple):
 
 class P2pFFNConnector(ScheduledFFNConnector):
     protocol = PROTOCOL
+    backend: str | None = None  # the configured one (open_p2p_world)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -46,86 +47,93 @@ class P2pFFNConnector(ScheduledFFNConnector):
         self._posted: Posted | None = None
         self._global = {link.attention_rank: self.topology.attention_global_rank(
             link.attention_rank) for link in self._links}
+        self._sharded, self._gate = self.topology.sharded, self.config.compute_gate_on_attention
+        self._kind = StepKind.RUN  # the current step's
 
     def _open(self):
         self._posted = None  # posted on a world that is gone
-        return open_p2p_world(self)
+        shape = self.shape
+        self._buffers = ReceiveBuffers(shape.hidden_size, shape.dtype, shape.top_k,
+                                       self.config.compute_gate_on_attention, self.device)
+        return open_p2p_world(self, self.backend)
 
     def recv_step(self):
         if self._posted is not None:  # the loop left a step before serving all of it
             raise RuntimeError(f"the next step is asked for while layer {self._posted.layer_idx} "
                                f"stage {self._posted.stage} of step {self._plan.step} is unserved")
         plan = super().recv_step()
+        self._kind = plan.kind
         layers = self.shape.moe_layers
         if plan.kind != StepKind.STOP and layers and self._sources:
             self._posted = self._post(layers[0], 0, self._sources[0])
         return plan
 
     def recv_layer(self, stage_idx, layer_idx, max_num_tokens=None) -> WorkItem:
-        sources = self._stage_sources(stage_idx, max_num_tokens, layer_idx)
+        net = self._require_net()
         posted, self._posted = self._posted, None
-        if posted is None:
+        if posted is None or posted.layer_idx != layer_idx or posted.stage != stage_idx:
+            sources = self._stage_sources(stage_idx, max_num_tokens, layer_idx)
+            if posted is not None:
+                raise RuntimeError(
+                    f"recv_layer(layer {layer_idx}, stage {stage_idx}) while layer "
+                    f"{posted.layer_idx} stage {posted.stage} is next: the scheduled loop serves "
+                    "the MoE layers in order, each layer's stages in order")
             posted = self._post(layer_idx, stage_idx, sources)
-        elif (posted.layer_idx, posted.stage) != (layer_idx, stage_idx):
-            raise RuntimeError(
-                f"recv_layer(layer {layer_idx}, stage {stage_idx}) while layer "
-                f"{posted.layer_idx} stage {posted.stage} is next: the scheduled loop serves the "
-                "MoE layers in order, each layer's stages in order")
+        else:  # the one posted: its layer and stage were checked when the step began
+            if max_num_tokens is not None:
+                self._stage_sources(stage_idx, max_num_tokens, layer_idx)
+            sources = self._sources[stage_idx]
         receives = posted.receives
-        if self.topology.sharded:
+        if self._sharded:
             sources, receives = self._post_routed(receives, layer_idx, stage_idx)
-        shape, gate = self.shape, self.config.compute_gate_on_attention
-        # Views of the posted buffers and the item's metadata before waiting: after the data
-        # lands only the waits stand between it and the experts.
-        parts = [unpack(p.tensor, n, shape.hidden_size, shape.dtype, shape.top_k, gate)
+        # The item is made before waiting: after the data lands only the waits stand between it
+        # and the experts.
+        meta = WorkItemMeta(layer_idx, stage_idx, self._plan.step, sources, kind=self._kind)
+        data, timeout = net.data, self.timeouts.current()
+        if len(receives) == 1 and not self._gate:  # one source's rows, used where they land
+            pending = receives[0][2]
+            item = WorkItem(pending.tensor, meta)
+            data.wait(pending, timeout)
+            return item
+        shape = self.shape
+        parts = [unpack(p.tensor, n, shape.hidden_size, shape.dtype, shape.top_k, self._gate)
                  for _, n, p in receives]
-        meta = WorkItemMeta(layer_idx=layer_idx, stage=stage_idx, step=self._plan.step,
-                            sources=sources, kind=self._plan.kind)
-        # One source's rows without routing are used where they land: the item is ready before.
-        item = WorkItem(parts[0][0], meta) if len(parts) == 1 and not gate else None
-        data, timeout = self._net.data, self.timeouts.current()
         for _, _, p in receives:
             data.wait(p, timeout)
-        if item is not None:
-            return item
         if len(parts) == 1:
             hidden, ids, weights = parts[0]
         elif parts:
             hidden = torch.cat([p[0] for p in parts])
-            ids = torch.cat([p[1] for p in parts]) if gate else None
-            weights = torch.cat([p[2] for p in parts]) if gate else None
+            ids = torch.cat([p[1] for p in parts]) if self._gate else None
+            weights = torch.cat([p[2] for p in parts]) if self._gate else None
         else:
             hidden = torch.empty(0, shape.hidden_size, dtype=shape.dtype, device=self.device)
             ids = (torch.empty(0, shape.top_k, dtype=torch.int32, device=self.device)
-                   if gate else None)
+                   if self._gate else None)
             weights = (torch.empty(0, shape.top_k, dtype=torch.float32, device=self.device)
-                       if gate else None)
+                       if self._gate else None)
         return self.work_item(hidden, meta, ids, weights)
 
     def _post(self, layer_idx: int, stage_idx: int, sources) -> Posted:
         """Post the receives of (layer, stage): the rows of each source that has any or, with
         sharded experts, every source's row count."""
-        net, topo = self._net, self.topology
-        if topo.sharded:
+        net = self._net
+        if self._sharded:
             what = ("the row count of layer {} stage {}", layer_idx, stage_idx)
             ctag = count_tag(layer_idx, stage_idx)
             # On the data plane's device (NCCL moves device tensors); reading it back is the one
             # host sync a sharded layer needs: the rows' receive is posted with their size.
             return Posted(layer_idx, stage_idx, tuple(
-                (a, bound, net.data.irecv(torch.empty(1, dtype=torch.int64, device=self.device),
-                                          self._global[a], ctag, what))
+                (a, bound, net.data.irecv(self._buffers.count(stage_idx, a), self._global[a],
+                                          ctag, what))
                 for a, bound in sources))
         return Posted(layer_idx, stage_idx, self._post_rows(layer_idx, stage_idx, sources))
 
     def _post_rows(self, layer_idx: int, stage_idx: int, sources) -> tuple:
-        net, shape = self._net, self.shape
-        gate, tag = self.config.compute_gate_on_attention, data_tag(layer_idx, stage_idx)
+        data, buffers, tag = self._net.data, self._buffers, data_tag(layer_idx, stage_idx)
         what = ("hidden states of layer {} stage {}", layer_idx, stage_idx)
-        return tuple(
-            (a, n, net.data.irecv(empty_message(n, shape.hidden_size, shape.dtype, shape.top_k,
-                                                gate, self.device),
-                                  self._global[a], tag, what))
-            for a, n in sources if n)
+        return tuple([(a, n, data.irecv(buffers.message(stage_idx, a, n), self._global[a], tag,
+                                        what)) for a, n in sources if n])
 
     def _post_routed(self, counts, layer_idx: int, stage_idx: int):
         """(attention rank, rows routed here) for this layer, each checked against the rows that

@@ -273,7 +273,10 @@ class PeerIO:
     Gloo reads a sent tensor after ``send`` returns and only learns that the peer took it inside
     ``wait``, so each send is kept (tensor alive) until it is known to be done: a reply from the
     same peer proves the peer received everything we sent before, so a successful ``recv`` from a
-    peer settles our earlier sends to it at no cost. ``flush`` settles the rest with a bound.
+    peer settles our earlier sends to it: their works are waited on (bounded; done by then,
+    unless a later micro-batch's send is still on its way) right after this side's next send is
+    issued, not between the receive and that send, the path of every layer's round trip.
+    ``flush`` settles the rest with a bound.
     """
 
     def __init__(self, group: dist.ProcessGroup, describe_rank, in_order: bool = False):
@@ -281,6 +284,7 @@ class PeerIO:
         (``afd_common.transport.inorder``)."""
         self._describe = describe_rank  # global rank -> "FFN rank 1" etc.
         self._pending: dict[int, list[tuple[object, torch.Tensor]]] = {}
+        self._replied: dict[int, float] = {}  # peer -> bound: its reply proved our sends done
         # Waited on the host, like Gloo's works (not a device stream's).
         self.is_gloo = _backend_name(group) in ("gloo", "loopback")
         self.in_order = in_order and self.is_gloo
@@ -292,6 +296,8 @@ class PeerIO:
             work = self.group.send([tensor], dst, tag)
         except RuntimeError as e:
             raise AFDPeerError(f"send to {self._describe(dst)} failed: {first_line(e)}") from None
+        if self._replied:
+            self._settle_replied()
         self._pending.setdefault(dst, []).append((work, tensor))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str | tuple) -> PendingRecv:
@@ -320,8 +326,14 @@ class PeerIO:
                                       f"(is the peer alive and in the same step?{hint})") from None
             raise AFDPeerError(f"lost {src} while waiting for {pending.describe()}: "
                                f"{first_line(e)}") from None
-        self._settle(pending.src, 60.0 if timeout_s is None else timeout_s)
+        if pending.src in self._pending:
+            self._replied[pending.src] = 60.0 if timeout_s is None else timeout_s
         return pending.tensor
+
+    def _settle_replied(self) -> None:
+        replied, self._replied = self._replied, {}
+        for dst, timeout_s in replied.items():
+            self._settle(dst, timeout_s)
 
     def _settle(self, dst: int, timeout_s: float) -> None:
         for work, _ in self._pending.pop(dst, ()):
@@ -339,6 +351,7 @@ class PeerIO:
 
     def flush(self, timeout_s: float) -> None:
         """Wait (bounded) until every peer took what we sent."""
+        self._replied.clear()
         for dst in list(self._pending):
             self._settle(dst, timeout_s)
 
