@@ -8,7 +8,14 @@ receive posted before the message it waits for is sent (the attention side posts
 receive before waiting; the FFN side posts the next layer's receive as soon as it sent a result,
 alternating two buffers), so the reference pays no notification round trip for a late receive.
 The per-layer time of the connector is the step time divided by L, so the control plane is paid
-for.
+for; "steady" is the ratio over a step's layers after its first, and the first layer's round
+trip (which waits for the step's metadata and, on the FFN side, its decoding before the first
+receive can be posted) is printed beside the raw loop's first. In a served step that metadata
+goes out before the embedding and the first attention layer run, so its cost is off the path
+there; here the first rows follow it at once. A third loop, "bare", is the least a connector written in Python does per layer: the same
+calls behind one method per primitive, no checks and no bookkeeping, the FFN side's receive
+buffers reused and the attention side's result allocated per call (the model owns what a
+connector returns). It says how much of the connector's extra is Python as such.
 
 Each step of the connector is paired with the raw round trips right after it, and the ratio is
 the median of those per-pair ratios: on a shared 2-core VM both drift together by 2-10x between
@@ -102,6 +109,53 @@ class TimedGroup:
         return getattr(self._group, name)
 
 
+class BareAttention:
+    """The attention side of the bare loop (module docstring)."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def send_attn_output(self, x):
+        send = self._group.send([x], 1, 0)
+        out = torch.empty_like(x)
+        return send, self._group.recv([out], 1, 0), out
+
+    def recv_ffn_output(self, pending):
+        send, recv, out = pending
+        recv.wait()
+        send.wait()
+        return out
+
+
+class BareFFN:
+    """The FFN side of the bare loop: the next receive posted right after each send, into one of
+    two buffers in turn."""
+
+    def __init__(self, group, rows: int):
+        self._group, self._send, self._posted = group, None, None
+        self._bufs = [torch.empty(rows, H, dtype=torch.bfloat16) for _ in range(2)]
+
+    def post(self, layer: int) -> None:
+        buf = self._bufs[layer % 2]
+        self._posted = self._group.recv([buf], 0, 0), buf
+
+    def recv_layer(self):
+        recv, buf = self._posted
+        recv.wait()
+        return buf
+
+    def send_ffn_output(self, out, layer: int, last: bool) -> None:
+        if self._send is not None:
+            self._send.wait()
+        self._send = self._group.send([out], 0, 0)
+        if not last:
+            self.post(layer + 1)
+
+    def finish(self) -> None:
+        self._send.wait()
+        self._send = None
+
+
 def timed(conn, raw, args):
     """(connector log, raw log), the groups wrapped, if --breakdown."""
     if not args.breakdown:
@@ -115,7 +169,7 @@ def ffn_main(args, ports, q) -> None:
     torch.set_num_threads(1)
     conn = resolve_connector("P2pAFDConnector", "ffn")(config("ffn", ports[0]), 0,
                                                         shape(args.layers))
-    raw = raw_group(1, ports[1])
+    raw = bare_group = raw_group(1, ports[1])
     with conn:
         logs, raw = timed(conn, raw, args)
         while True:
@@ -138,7 +192,31 @@ def ffn_main(args, ports, q) -> None:
                 if layer + 1 < args.layers:
                     recv = raw.recv([bufs[(layer + 1) % 2]], 0, 0)
             send.wait()
+            # And the bare loop's (not timed by --breakdown).
+            bare = BareFFN(bare_group, t)
+            bare.post(0)
+            for layer in range(args.layers):
+                bare.send_ffn_output(bare.recv_layer(), layer, layer + 1 == args.layers)
+            bare.finish()
     q.put(("ffn", logs))
+
+
+def summary(stamps, layers: int) -> dict:
+    """Medians over the steps (seconds; ratios of per-step pairs) from each step's stamps:
+    connector start, after its first layer, end = raw start, after its first layer, end = bare
+    start, bare end."""
+    per = {"connector": [], "raw": [], "bare": [], "steady": [], "raw_steady": [],
+           "first": [], "raw_first": []}
+    for c0, c1, c2, r1, r2, b2 in stamps:
+        for key, v in (("connector", (c2 - c0) / layers), ("raw", (r2 - c2) / layers),
+                       ("bare", (b2 - r2) / layers), ("steady", (c2 - c1) / (layers - 1)),
+                       ("raw_steady", (r2 - r1) / (layers - 1)), ("first", c1 - c0),
+                       ("raw_first", r1 - c2)):
+            per[key].append(v)
+    out = {key: statistics.median(v) for key, v in per.items()}
+    for key, ref in (("connector", "raw"), ("bare", "raw"), ("steady", "raw_steady")):
+        out[key + "_ratio"] = statistics.median(a / b for a, b in zip(per[key], per[ref]))
+    return out
 
 
 def attention_main(args, ports, q) -> None:
@@ -146,6 +224,7 @@ def attention_main(args, ports, q) -> None:
     conn = resolve_connector("P2pAFDConnector", "attention")(config("attention", ports[0]), 0,
                                                               shape(args.layers))
     raw = raw_group(0, ports[1])
+    bare = BareAttention(raw)
     results = {}
     step = 0
     with conn:
@@ -153,26 +232,32 @@ def attention_main(args, ports, q) -> None:
         for t in args.tokens:
             x = torch.randn(t, H).to(torch.bfloat16)
             back = torch.empty_like(x)
-            afd, base = [], []
+            stamps = []
             for rep in range(WARMUP + args.reps):
-                t0 = time.perf_counter()
+                # Each loop's time at its start, after its first layer, at its end.
+                now = [time.perf_counter()]
                 conn.begin_step(StepMetadata(step, StepKind.RUN, (t,)))
                 for layer in range(args.layers):
                     y = conn.recv_ffn_output(conn.send_attn_output(x, LayerCall(layer)))
+                    if layer == 0:
+                        now.append(time.perf_counter())
                 conn.end_step()
-                t1 = time.perf_counter()
-                for _ in range(args.layers):
+                now.append(time.perf_counter())
+                for layer in range(args.layers):
                     send = raw.send([x], 1, 0)
                     raw.recv([back], 1, 0).wait()
                     send.wait()
-                t2 = time.perf_counter()
+                    if layer == 0:
+                        now.append(time.perf_counter())
+                now.append(time.perf_counter())
+                for _ in range(args.layers):
+                    z = bare.recv_ffn_output(bare.send_attn_output(x))
+                now.append(time.perf_counter())
                 step += 1
                 if rep >= WARMUP:
-                    afd.append((t1 - t0) / args.layers)
-                    base.append((t2 - t1) / args.layers)
-            assert torch.equal(y, x) and torch.equal(back, x)
-            results[t] = (statistics.median(afd), statistics.median(base),
-                          statistics.median(a / b for a, b in zip(afd, base)))
+                    stamps.append(now)
+            assert torch.equal(y, x) and torch.equal(back, x) and torch.equal(z, x)
+            results[t] = summary(stamps, args.layers)
     q.put(("attention", (results, logs)))
 
 
@@ -215,10 +300,13 @@ def main(argv=None) -> int:
     print(f"P2pAFDConnector vs raw torch.distributed (Gloo, 127.0.0.1), H={H}, bf16, "
           f"median per-layer round trip and median paired ratio over {args.reps} steps of "
           f"{args.layers} layers")
-    print(f"{'T':>5} {'connector ms':>13} {'raw ms':>8} {'ratio':>6}")
-    for t, (afd, base, ratio) in results.items():
-        print(f"{t:>5} {afd * 1e3:>13.3f} {base * 1e3:>8.3f} {ratio:>6.2f}")
-    worst = max(ratio for _, _, ratio in results.values())
+    print(f"{'T':>5} {'connector ms':>13} {'raw ms':>8} {'ratio':>6} {'steady':>7} "
+          f"{'bare':>6} {'1st layer us':>13}")
+    for t, r in results.items():
+        print(f"{t:>5} {r['connector'] * 1e3:>13.3f} {r['raw'] * 1e3:>8.3f} "
+              f"{r['connector_ratio']:>6.2f} {r['steady_ratio']:>7.2f} {r['bare_ratio']:>6.2f} "
+              f"{r['first'] * 1e6:>6.0f}/{r['raw_first'] * 1e6:<6.0f}")
+    worst = max(r["connector_ratio"] for r in results.values())
     print(f"worst ratio {worst:.2f} (target <= 1.10)")
     if args.breakdown:
         print_breakdown(args, attention_logs, got["ffn"])

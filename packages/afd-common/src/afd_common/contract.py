@@ -119,6 +119,10 @@ class ControlPlane(abc.ABC):
         """FFN side. Blocks until every served attention rank announced the step; ``None``
         waits as long as the peers are connected (an idle role may wait for days)."""
 
+    def post_next(self) -> None:
+        """FFN side, once a step's plan is in hand and its first receives are posted: get ready
+        for the next step's metadata (a transport that needs no posted receive does nothing)."""
+
 
 class Net(Protocol):
     """What a half's ``_open`` returns and ``close`` releases: its world, groups and control
@@ -379,8 +383,12 @@ class ScheduledFFNConnector(AFDConnector):
     def recv_step(self) -> StepPlan:
         """The next step's plan: every served attention rank's ``StepMetadata``. Waits as long
         as the peers are connected (an idle role may wait for days)."""
-        plan = self._require_net().control.recv_step(None)
+        control = self._require_net().control
+        plan = control.recv_step(None)
         self._on_step(plan)
+        if plan.kind != StepKind.STOP:
+            self._post_first()
+            control.post_next()
         return plan
 
     @abc.abstractmethod
@@ -401,6 +409,10 @@ class ScheduledFFNConnector(AFDConnector):
         self.timeouts.step_done()
 
     # -- for the halves ----------------------------------------------------------------------
+
+    def _post_first(self) -> None:
+        """A half that posts its receives ahead posts the step's first ones here, before the
+        next step's metadata: the attention side sends its first rows right after the plan."""
 
     def _on_step(self, plan: StepPlan) -> None:
         """Remember the plan: it sizes every receive of the step."""

@@ -61,12 +61,13 @@ class P2pFFNConnector(ScheduledFFNConnector):
         if self._posted is not None:  # the loop left a step before serving all of it
             raise RuntimeError(f"the next step is asked for while layer {self._posted.layer_idx} "
                                f"stage {self._posted.stage} of step {self._plan.step} is unserved")
-        plan = super().recv_step()
-        self._kind = plan.kind
+        return super().recv_step()
+
+    def _post_first(self):
+        self._kind = self._plan.kind
         layers = self.shape.moe_layers
-        if plan.kind != StepKind.STOP and layers and self._sources:
+        if layers and self._sources:
             self._posted = self._post(layers[0], 0, self._sources[0])
-        return plan
 
     def recv_layer(self, stage_idx, layer_idx, max_num_tokens=None) -> WorkItem:
         net = self._require_net()

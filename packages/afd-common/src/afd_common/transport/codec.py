@@ -124,9 +124,7 @@ def to_tensor(frame: bytes, size: int) -> torch.Tensor:
     """A frame padded to ``size`` bytes as a uint8 tensor, ready for a fixed-size send."""
     if len(frame) > size:
         raise ValueError(f"frame of {len(frame)} bytes exceeds the {size}-byte slot")
-    buf = torch.zeros(size, dtype=torch.uint8)
-    buf[: len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
-    return buf
+    return torch.frombuffer(bytearray(frame.ljust(size, b"\0")), dtype=torch.uint8)
 
 
 def from_tensor(buf: torch.Tensor) -> bytes:

@@ -12,7 +12,7 @@ from afd_common.transport.codec import (STEP_FRAME_BYTES, decode_step, encode_st
                                         to_tensor)
 from afd_common.contract import ControlPlane, StepPlan
 from afd_common.errors import AFDPeerError, AFDProtocolError
-from afd_common.metadata import StepKind, StepMetadata
+from afd_common.metadata import StepMetadata
 from afd_common.topology import Topology
 from afd_common.transport.process_groups import PeerIO
 
@@ -29,6 +29,7 @@ class GlooControlPlane(ControlPlane):
         self.role = role
         self._send_timeout_s = send_timeout_s
         self._posted: dict | None = None  # the FFN side's receives of the next step
+        self._frames: dict[int, torch.Tensor] = {}  # peer -> its frame's buffer (FFN side)
 
     def send_step(self, meta: StepMetadata) -> None:
         # The previous step's frames are long taken by now (the FFN side answered that step), so
@@ -39,8 +40,20 @@ class GlooControlPlane(ControlPlane):
             self.io.isend(frame, peer, CONTROL_TAG)
 
     def _post(self) -> dict:
-        return {p: self.io.irecv(torch.empty(STEP_FRAME_BYTES, dtype=torch.uint8), p,
-                                 CONTROL_TAG, "the next step's metadata") for p in self.peers}
+        """Each peer's frame lands in the same buffer every step: a frame is decoded (copied
+        out) before the next one's receive is posted."""
+        frames = self._frames
+        if not frames:
+            frames.update((p, torch.empty(STEP_FRAME_BYTES, dtype=torch.uint8))
+                          for p in self.peers)
+        return {p: self.io.irecv(frames[p], p, CONTROL_TAG, "the next step's metadata")
+                for p in self.peers}
+
+    def post_next(self) -> None:
+        # The next step's frames can land as soon as they are sent: Gloo holds back a send
+        # whose receive is not posted, for a notification round trip.
+        if self._posted is None:
+            self._posted = self._post()
 
     def recv_step(self, timeout_s: float | None) -> StepPlan:
         bufs, self._posted = self._posted or self._post(), None
@@ -59,10 +72,6 @@ class GlooControlPlane(ControlPlane):
                     f"attention ranks out of step: attention rank {a0} announced step "
                     f"{first.step} ({first.kind.name}, {first.num_stages} stages), attention "
                     f"rank {a} step {meta.step} ({meta.kind.name}, {meta.num_stages} stages)")
-        if first.kind != StepKind.STOP:
-            # The next step's frames can land as soon as they are sent: Gloo holds back a
-            # send whose receive is not posted, for a notification round trip.
-            self._posted = self._post()
         return StepPlan(step=first.step, per_source=per_source)
 
 
