@@ -55,7 +55,7 @@ import torch
 from afd_common.config import AFDConfig
 from afd_common.errors import AFDProtocolError
 from afd_common.metadata import (LayerCall, ModelShape, StepKind, StepMetadata, WorkItem,
-                                 WorkItemMeta)
+                                 WorkItemMeta, new_tuple)
 from afd_common.topology import Topology
 
 
@@ -298,7 +298,7 @@ class AttentionConnector(AFDConnector):
 
     def _pending(self, call: LayerCall, state) -> PendingResult:
         self._inflight.add(call)
-        return PendingResult(call, state)
+        return new_tuple(PendingResult, (call, state))
 
     def _take(self, pending: PendingResult):
         """The state of a call in flight, once: a handle received twice, or from before a

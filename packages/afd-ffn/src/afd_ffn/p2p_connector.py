@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from afd_common.errors import AFDProtocolError
-from afd_common.metadata import StepKind, WorkItem, WorkItemMeta
+from afd_common.metadata import StepKind, WorkItem, WorkItemMeta, new_tuple
 from afd_common.transport.p2p import (PROTOCOL, ReceiveBuffers, count_tag, data_tag,
                                       open_p2p_world, unpack)
 from afd_common.contract import ScheduledFFNConnector
@@ -89,7 +89,8 @@ class P2pFFNConnector(ScheduledFFNConnector):
             sources, receives = self._post_routed(receives, layer_idx, stage_idx)
         # The item is made before waiting: after the data lands only the waits stand between it
         # and the experts.
-        meta = WorkItemMeta(layer_idx, stage_idx, self._plan.step, sources, kind=self._kind)
+        meta = new_tuple(WorkItemMeta, (layer_idx, stage_idx, self._plan.step, sources, False,
+                                        self._kind))
         data, timeout = net.data, self.timeouts.current()
         if len(receives) == 1 and not self._gate:  # one source's rows, used where they land
             pending = receives[0][2]
@@ -128,7 +129,8 @@ class P2pFFNConnector(ScheduledFFNConnector):
                 (a, bound, net.data.irecv(self._buffers.count(stage_idx, a), self._global[a],
                                           ctag, what))
                 for a, bound in sources))
-        return Posted(layer_idx, stage_idx, self._post_rows(layer_idx, stage_idx, sources))
+        return new_tuple(Posted, (layer_idx, stage_idx,
+                                  self._post_rows(layer_idx, stage_idx, sources)))
 
     def _post_rows(self, layer_idx: int, stage_idx: int, sources) -> tuple:
         data, buffers, tag = self._net.data, self._buffers, data_tag(layer_idx, stage_idx)
@@ -152,9 +154,9 @@ class P2pFFNConnector(ScheduledFFNConnector):
         return sources, self._post_rows(layer_idx, stage_idx, sources)
 
     def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
-        self._check_output(output, item.num_tokens)
-        net = self._net
         meta = item.meta
+        self._check_output(output, meta.num_tokens)
+        net = self._net
         tag = data_tag(meta.layer_idx, meta.stage)
         output = output.contiguous()
         sources = meta.sources

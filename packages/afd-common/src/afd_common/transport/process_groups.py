@@ -336,10 +336,11 @@ class PeerIO:
             self._settle(dst, timeout_s)
 
     def _settle(self, dst: int, timeout_s: float) -> None:
+        bound = _seconds(timeout_s) if self.is_gloo else None
         for work, _ in self._pending.pop(dst, ()):
             try:
-                if self.is_gloo:
-                    work.wait(_seconds(timeout_s))
+                if bound is not None:
+                    work.wait(bound)
                 else:
                     wait_device_work(work, timeout_s)
             except RuntimeError as e:
