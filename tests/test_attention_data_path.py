@@ -324,9 +324,12 @@ def test_loopback_waits_fail_when_the_peer_leaves_and_time_out_naming_what():
     assert pending.wait(timedelta(seconds=1)) and torch.equal(got, torch.arange(3.0))
     with pytest.raises(RuntimeError, match="Timed out .* from rank 0 with tag 8"):
         b.recv([got], 0, 8).wait(timedelta(seconds=0.05))
-    a.send([torch.zeros(2)], 1, 9)
+    a.send([torch.zeros(4)], 1, 9)  # longer than the receive: refused, as Gloo does
     with pytest.raises(RuntimeError, match="size mismatch"):
         b.recv([got], 0, 9).wait(timedelta(seconds=1))
+    a.send([torch.zeros(2)], 1, 9)  # shorter: lands in the first bytes, as on Gloo
+    assert b.recv([got], 0, 9).wait(timedelta(seconds=1))
+    assert got.tolist() == [0.0, 0.0, 2.0]
     waiting = b.recv([got], 0, 10)
     threading.Timer(0.05, a.shutdown).start()
     with pytest.raises(RuntimeError, match="Connection closed by peer: loopback rank 0 left"):

@@ -2,8 +2,9 @@
 a send whose receive is not posted and moves the data only after another notification round
 trip. Over the loopback transport, whose sends complete exactly when the peer posted the
 matching receive (as Gloo's), an attention rank's send is taken before the FFN side's loop calls
-for it -- the step's first layer when the plan arrives, each next (layer, stage) when the last
-result went out, the next step's frame when this one's arrived."""
+for it -- each next (layer, stage) when the last result went out, a step's first layer when the
+previous step's last result went out (or when its plan arrives, the first time), the next step's
+frame when this one is served."""
 
 from __future__ import annotations
 
@@ -80,11 +81,12 @@ def test_the_ffn_loop_must_serve_layers_and_stages_in_order(pair):
 def test_receive_buffers_are_reused_two_layers_on(pair):
     """The FFN half receives into two buffers per stage in turn (no allocation on the path from
     a result to the next receive): an item's rows stay intact until the result of its stage's
-    next layer is sent, and the same (layer, stage) of the next step lands in the same buffer."""
+    next layer is sent, and the same (layer, stage) of the next step lands in the same buffer
+    (from the third step: the second's first rows land in a buffer grown for max_num_tokens)."""
     a, f = pair
     rows = (3, 2)
     seen = {}
-    for step in range(2):
+    for step in range(3):
         a.begin_step(StepMetadata(step, StepKind.RUN, rows))
         f.recv_step()
         held = {}
@@ -99,7 +101,7 @@ def test_receive_buffers_are_reused_two_layers_on(pair):
                     assert torch.equal(old.hidden_states, want), f"step {step} stage {stage}"
                 held[stage] = (item, x.clone())
                 ptr = item.hidden_states.data_ptr()
-                if step:
+                if step == 2:
                     assert ptr == seen[layer, stage], f"layer {layer} stage {stage}: new buffer"
                 seen[layer, stage] = ptr
                 f.send_ffn_output(item.hidden_states + 1, item)
@@ -108,3 +110,35 @@ def test_receive_buffers_are_reused_two_layers_on(pair):
         a.end_step()
         f.end_step()
     assert len(set(seen.values())) == 4  # two per stage
+
+
+def test_the_next_steps_first_rows_find_their_receive_before_the_plan(pair):
+    """On Gloo (and loopback, which follows its rules) the FFN half posts each source's first
+    receive of the next step when it sends a step's last result, sized by max_num_tokens: the
+    attention side's first rows of a step are taken before the FFN side decoded the plan. A step
+    whose first stage has no rows leaves that receive for the step after."""
+    a, f = pair
+    for step, rows in enumerate(((3, 2), (0, 2), (4, 1))):
+        a.begin_step(StepMetadata(step, StepKind.RUN, rows))
+        pending = {}
+        for stage in (0, 1):
+            x = torch.randn(rows[stage], H)
+            pending[stage] = x, a.send_attn_output(x, LayerCall(1, stage))
+            if stage == 0 and rows[0] and step:
+                assert taken(a), f"step {step}: the first rows wait for the plan"
+            if stage == 0:
+                f.recv_step()
+            item = f.recv_layer(stage, 1)
+            assert torch.equal(item.hidden_states, x)
+            f.send_ffn_output(item.hidden_states * 3, item)
+        for stage in (0, 1):
+            x, p = pending[stage]
+            assert torch.equal(a.recv_ffn_output(p), x * 3)
+        for stage in (0, 1):
+            x = torch.randn(rows[stage], H)
+            p = a.send_attn_output(x, LayerCall(2, stage))
+            item = f.recv_layer(stage, 2)
+            f.send_ffn_output(item.hidden_states - 1, item)
+            assert torch.equal(a.recv_ffn_output(p), x - 1)
+        a.end_step()
+        f.end_step()

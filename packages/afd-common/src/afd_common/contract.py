@@ -120,8 +120,8 @@ class ControlPlane(abc.ABC):
         waits as long as the peers are connected (an idle role may wait for days)."""
 
     def post_next(self) -> None:
-        """FFN side, once a step's plan is in hand and its first receives are posted: get ready
-        for the next step's metadata (a transport that needs no posted receive does nothing)."""
+        """FFN side, once a step is served: get ready for the next step's metadata (a transport
+        that needs no posted receive does nothing). ``recv_step`` does it if nobody did."""
 
 
 class Net(Protocol):
@@ -383,12 +383,10 @@ class ScheduledFFNConnector(AFDConnector):
     def recv_step(self) -> StepPlan:
         """The next step's plan: every served attention rank's ``StepMetadata``. Waits as long
         as the peers are connected (an idle role may wait for days)."""
-        control = self._require_net().control
-        plan = control.recv_step(None)
+        plan = self._require_net().control.recv_step(None)
         self._on_step(plan)
         if plan.kind != StepKind.STOP:
             self._post_first()
-            control.post_next()
         return plan
 
     @abc.abstractmethod
@@ -405,14 +403,17 @@ class ScheduledFFNConnector(AFDConnector):
         """Return ``item``'s result rows to their sources. Never blocks on the peer."""
 
     def end_step(self) -> None:
-        """The step is served: later waits use the step timeout."""
+        """The step is served: later waits use the step timeout, and the next step's metadata
+        may land."""
         self.timeouts.step_done()
+        if self._net is not None and self._net.control is not None:
+            self._net.control.post_next()
 
     # -- for the halves ----------------------------------------------------------------------
 
     def _post_first(self) -> None:
-        """A half that posts its receives ahead posts the step's first ones here, before the
-        next step's metadata: the attention side sends its first rows right after the plan."""
+        """A half that posts its receives ahead posts the step's first ones here, once the plan
+        sized them: the attention side sends its first rows right after the plan."""
 
     def _on_step(self, plan: StepPlan) -> None:
         """Remember the plan: it sizes every receive of the step."""

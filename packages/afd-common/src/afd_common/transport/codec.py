@@ -43,6 +43,9 @@ MAX_TOKENS = 1 << 40
 STEP_FRAME_BYTES = _HEADER.size + _STEP_HEAD.size + 8 * MAX_STAGES
 
 
+_STEP_KINDS = {kind.value: kind for kind in StepKind}
+
+
 class FrameKind(enum.IntEnum):
     STEP = 1
     HELLO = 2
@@ -84,9 +87,10 @@ def decode_step(data: bytes) -> StepMetadata:
     payload = _unframe(data, FrameKind.STEP)
     if len(payload) < _STEP_HEAD.size:
         raise AFDProtocolError(f"STEP payload of {len(payload)} bytes is too short")
-    step, kind, num_stages = _STEP_HEAD.unpack_from(payload)
-    if kind not in StepKind._value2member_map_:
-        raise AFDProtocolError(f"unknown step kind {kind}")
+    step, kind_value, num_stages = _STEP_HEAD.unpack_from(payload)
+    kind = _STEP_KINDS.get(kind_value)
+    if kind is None:
+        raise AFDProtocolError(f"unknown step kind {kind_value}")
     if not 1 <= num_stages <= MAX_STAGES:
         raise AFDProtocolError(f"num_stages {num_stages} not in [1, {MAX_STAGES}]")
     if len(payload) != _STEP_HEAD.size + 8 * num_stages:
@@ -95,9 +99,9 @@ def decode_step(data: bytes) -> StepMetadata:
     if step < 0:
         raise AFDProtocolError(f"negative step {step}")
     tokens = struct.unpack_from(f"<{num_stages}q", payload, _STEP_HEAD.size)
-    if any(not 0 <= n < MAX_TOKENS for n in tokens):
+    if min(tokens) < 0 or max(tokens) >= MAX_TOKENS:
         raise AFDProtocolError(f"stage token counts out of range: {tokens}")
-    return StepMetadata(step=step, kind=StepKind(kind), stage_tokens=tuple(tokens))
+    return StepMetadata(step=step, kind=kind, stage_tokens=tokens)
 
 
 def encode_json(obj: dict[str, Any]) -> bytes:
@@ -126,6 +130,3 @@ def to_tensor(frame: bytes, size: int) -> torch.Tensor:
         raise ValueError(f"frame of {len(frame)} bytes exceeds the {size}-byte slot")
     return torch.frombuffer(bytearray(frame.ljust(size, b"\0")), dtype=torch.uint8)
 
-
-def from_tensor(buf: torch.Tensor) -> bytes:
-    return buf.numpy().tobytes() if buf.device.type == "cpu" else buf.cpu().numpy().tobytes()

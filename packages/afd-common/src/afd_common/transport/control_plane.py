@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from afd_common.transport.codec import (STEP_FRAME_BYTES, decode_step, encode_step, from_tensor,
-                                        to_tensor)
+from afd_common.transport.codec import STEP_FRAME_BYTES, decode_step, encode_step, to_tensor
 from afd_common.contract import ControlPlane, StepPlan
 from afd_common.errors import AFDPeerError, AFDProtocolError
 from afd_common.metadata import StepMetadata
@@ -29,7 +28,8 @@ class GlooControlPlane(ControlPlane):
         self.role = role
         self._send_timeout_s = send_timeout_s
         self._posted: dict | None = None  # the FFN side's receives of the next step
-        self._frames: dict[int, torch.Tensor] = {}  # peer -> its frame's buffer (FFN side)
+        # peer -> its frame's buffer and that buffer's bytes (FFN side)
+        self._frames: dict[int, tuple[torch.Tensor, memoryview]] = {}
 
     def send_step(self, meta: StepMetadata) -> None:
         # The previous step's frames are long taken by now (the FFN side answered that step), so
@@ -43,10 +43,11 @@ class GlooControlPlane(ControlPlane):
         """Each peer's frame lands in the same buffer every step: a frame is decoded (copied
         out) before the next one's receive is posted."""
         frames = self._frames
-        if not frames:
-            frames.update((p, torch.empty(STEP_FRAME_BYTES, dtype=torch.uint8))
-                          for p in self.peers)
-        return {p: self.io.irecv(frames[p], p, CONTROL_TAG, "the next step's metadata")
+        for p in self.peers:
+            if p not in frames:
+                buf = torch.empty(STEP_FRAME_BYTES, dtype=torch.uint8)
+                frames[p] = buf, memoryview(buf.numpy())
+        return {p: self.io.irecv(frames[p][0], p, CONTROL_TAG, "the next step's metadata")
                 for p in self.peers}
 
     def post_next(self) -> None:
@@ -59,7 +60,8 @@ class GlooControlPlane(ControlPlane):
         bufs, self._posted = self._posted or self._post(), None
         per_source: dict[int, StepMetadata] = {}
         for peer, pending in bufs.items():
-            raw = from_tensor(self.io.wait(pending, timeout_s))
+            self.io.wait(pending, timeout_s)
+            raw = bytes(self._frames[peer][1])
             try:
                 per_source[self.peers[peer]] = decode_step(raw)
             except AFDProtocolError as e:

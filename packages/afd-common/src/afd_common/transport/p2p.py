@@ -26,7 +26,9 @@ ignored (NCCL, HCCL)::
 Neither side posts a receive before the sends that its peer's matching receive follows. Within
 that order each receive is posted as early as it can be (the FFN side's next one right after its
 send, the attention side's reply right after its send): Gloo holds back a send whose receive is
-not posted yet for a notification round trip.
+not posted yet for a notification round trip. On Gloo, which takes a shorter message into a
+longer receive, the FFN side posts a step's first receive before the step's plan, sized by its
+own limit (``afd_ffn.p2p_connector``).
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ class ReceiveBuffers:
             view = view.view(self._dtype).view(rows, self._hidden_size)
         slot.set(rows, view, storage)
         return view
+
+    def first_rows(self, message: torch.Tensor, rows: int) -> torch.Tensor:
+        """The first ``rows`` rows of a message buffer posted for more: where a shorter message
+        landed in it (the layout is contiguous in the row count)."""
+        return message[:rows * self._row_bytes] if self._with_routing else message[:rows]
 
     def count(self, stage: int, source: int) -> torch.Tensor:
         """A buffer for a row count (int64 [1])."""
