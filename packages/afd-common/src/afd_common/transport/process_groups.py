@@ -274,9 +274,10 @@ class PeerIO:
     ``wait``, so each send is kept (tensor alive) until it is known to be done: a reply from the
     same peer proves the peer received everything we sent before, so a successful ``recv`` from a
     peer settles our earlier sends to it: their works are waited on (bounded; done by then,
-    unless a later micro-batch's send is still on its way) right after this side's next send is
-    issued, not between the receive and that send, the path of every layer's round trip.
-    ``flush`` settles the rest with a bound.
+    unless a later micro-batch's send is still on its way) once this side's next receive is
+    posted, not between the receive and the next send, nor between that send and the post of
+    the receive its answer needs: both are on the path of every layer's round trip. ``flush``
+    settles the rest with a bound.
     """
 
     def __init__(self, group: dist.ProcessGroup, describe_rank, in_order: bool = False):
@@ -284,7 +285,8 @@ class PeerIO:
         (``afd_common.transport.inorder``)."""
         self._describe = describe_rank  # global rank -> "FFN rank 1" etc.
         self._pending: dict[int, list[tuple[object, torch.Tensor]]] = {}
-        self._replied: dict[int, float] = {}  # peer -> bound: its reply proved our sends done
+        # peer -> (how many of our sends to it its reply proved taken, bound to wait them)
+        self._replied: dict[int, tuple[int, float]] = {}
         # Waited on the host, like Gloo's works (not a device stream's).
         self.is_gloo = _backend_name(group) in ("gloo", "loopback")
         self.in_order = in_order and self.is_gloo
@@ -296,8 +298,6 @@ class PeerIO:
             work = self.group.send([tensor], dst, tag)
         except RuntimeError as e:
             raise AFDPeerError(f"send to {self._describe(dst)} failed: {first_line(e)}") from None
-        if self._replied:
-            self._settle_replied()
         self._pending.setdefault(dst, []).append((work, tensor))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str | tuple) -> PendingRecv:
@@ -308,6 +308,8 @@ class PeerIO:
             what = PendingRecv(None, tensor, src, what).describe()
             raise AFDPeerError(f"lost {self._describe(src)} before receiving {what}: "
                                f"{first_line(e)}") from None
+        if self._replied:
+            self._settle_replied()
         return PendingRecv(work, tensor, src, what)
 
     def wait(self, pending: PendingRecv, timeout_s: float | None) -> torch.Tensor:
@@ -326,18 +328,23 @@ class PeerIO:
                                       f"(is the peer alive and in the same step?{hint})") from None
             raise AFDPeerError(f"lost {src} while waiting for {pending.describe()}: "
                                f"{first_line(e)}") from None
-        if pending.src in self._pending:
-            self._replied[pending.src] = 60.0 if timeout_s is None else timeout_s
+        sends = self._pending.get(pending.src)
+        if sends:
+            self._replied[pending.src] = len(sends), 60.0 if timeout_s is None else timeout_s
         return pending.tensor
 
     def _settle_replied(self) -> None:
         replied, self._replied = self._replied, {}
-        for dst, timeout_s in replied.items():
-            self._settle(dst, timeout_s)
+        for dst, (count, timeout_s) in replied.items():
+            self._settle(dst, timeout_s, count)
 
-    def _settle(self, dst: int, timeout_s: float) -> None:
+    def _settle(self, dst: int, timeout_s: float, count: int | None = None) -> None:
+        """Wait for our sends to ``dst``: the first ``count`` (those a reply proved), or all."""
+        sends = self._pending.pop(dst, [])
+        if count is not None and count < len(sends):
+            sends, self._pending[dst] = sends[:count], sends[count:]
         bound = _seconds(timeout_s) if self.is_gloo else None
-        for work, _ in self._pending.pop(dst, ()):
+        for work, _ in sends:
             try:
                 if bound is not None:
                     work.wait(bound)
