@@ -269,6 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", action="store_true",
                     help="also print where a layer's round trip goes, leg by leg")
     args = ap.parse_args(argv)
+    if args.layers < 2:
+        ap.error("--layers must be at least 2 (the steady ratio leaves out each step's first)")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ports = (free_port(), free_port())

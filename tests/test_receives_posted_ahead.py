@@ -142,3 +142,16 @@ def test_the_next_steps_first_rows_find_their_receive_before_the_plan(pair):
             assert torch.equal(a.recv_ffn_output(p), x - 1)
         a.end_step()
         f.end_step()
+
+
+def test_a_step_above_max_num_tokens_is_refused_before_anything_is_sent(pair):
+    """The FFN side sizes its early first receive by max_num_tokens; the attention side refuses
+    a longer step itself, naming the limit, and the connector stays usable."""
+    a, f = pair
+    limit = a.shape.max_num_tokens
+    with pytest.raises(ValueError, match=rf"step 0 has {limit + 1} tokens .* max_num_tokens "
+                                         rf"{limit}"):
+        a.begin_step(StepMetadata(0, StepKind.RUN, (limit, 1)))
+    assert not a._net.data._pending and not a._net.control.io._pending
+    a.begin_step(StepMetadata(0, StepKind.RUN, (1, 1)))
+    f.recv_step()

@@ -120,8 +120,9 @@ class ControlPlane(abc.ABC):
         waits as long as the peers are connected (an idle role may wait for days)."""
 
     def post_next(self) -> None:
-        """FFN side, once a step is served: get ready for the next step's metadata (a transport
-        that needs no posted receive does nothing). ``recv_step`` does it if nobody did."""
+        """FFN side, once a step's plan is in hand: get ready for the next step's metadata (a
+        transport that needs no posted receive does nothing). Idempotent; ``recv_step`` does it
+        if nobody did."""
 
 
 class Net(Protocol):
@@ -268,9 +269,19 @@ class AttentionConnector(AFDConnector):
         if self._inflight:
             raise RuntimeError(f"step {meta.step} begins with results of the previous step "
                                f"still unreceived: {sorted(self._inflight)}")
+        control = self.control_plane
+        if control is not None:
+            # The FFN side refuses such a plan, and on Gloo it has already posted the step's
+            # first receive sized by this limit: a longer message there ends its process.
+            tokens = sum(meta.stage_tokens)
+            if tokens > self.shape.max_num_tokens:
+                raise ValueError(f"step {meta.step} has {tokens} tokens (stage_tokens "
+                                 f"{list(meta.stage_tokens)[:8]}), more than max_num_tokens "
+                                 f"{self.shape.max_num_tokens} (--max-num-batched-tokens), "
+                                 "which both roles size their messages by")
         self._step = meta
-        if self.control_plane is not None:
-            self.control_plane.send_step(meta)
+        if control is not None:
+            control.send_step(meta)
 
     @abc.abstractmethod
     def send_attn_output(self, hidden_states: torch.Tensor, call: LayerCall,
@@ -403,17 +414,16 @@ class ScheduledFFNConnector(AFDConnector):
         """Return ``item``'s result rows to their sources. Never blocks on the peer."""
 
     def end_step(self) -> None:
-        """The step is served: later waits use the step timeout, and the next step's metadata
-        may land."""
+        """The step is served: later waits use the step timeout."""
         self.timeouts.step_done()
-        if self._net is not None and self._net.control is not None:
-            self._net.control.post_next()
 
     # -- for the halves ----------------------------------------------------------------------
 
     def _post_first(self) -> None:
-        """A half that posts its receives ahead posts the step's first ones here, once the plan
-        sized them: the attention side sends its first rows right after the plan."""
+        """Right after a plan: the step's first receives, for a half that posts them ahead,
+        and the next step's metadata's (here, or where it costs the step's first layer less;
+        the attention side's goodbye waits, bounded, until it is posted)."""
+        self._net.control.post_next()
 
     def _on_step(self, plan: StepPlan) -> None:
         """Remember the plan: it sizes every receive of the step."""

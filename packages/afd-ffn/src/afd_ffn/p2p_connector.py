@@ -19,7 +19,10 @@ limit (``max_num_tokens`` rows). Gloo takes a shorter message into a longer rece
 attention side sends those rows right after the plan, sooner than this side can decode the plan
 and post them (measured: 15 us against 125-250 us). A source without rows in that stage sends
 none, so its receive waits for the next step's. Not on in-order transports (sizes must match)
-nor with sharded experts (a row count comes first).
+nor with sharded experts (a row count comes first). The attention half refuses a step above that
+limit before sending anything (a longer message would end this process inside Gloo); a peer that
+sends another row count than it announced goes unnoticed there, as on any Gloo receive of a
+longer message (Gloo reports no length).
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
 
     def _open(self):
         # Nothing posted on a world that is gone is waited on.
-        self._posted, self._early = None, {}
+        self._posted, self._early, self._frame_due = None, {}, False
         shape = self.shape
         self._buffers = ReceiveBuffers(shape.hidden_size, shape.dtype, shape.top_k,
                                        self.config.compute_gate_on_attention, self.device)
@@ -81,6 +84,11 @@ class P2pFFNConnector(ScheduledFFNConnector):
         self._kind = self._plan.kind
         if self._first_layer is not None and self._sources:
             self._posted = self._post(self._first_layer, 0, self._sources[0])
+            # Between this and the step's first wait it would delay rows that are likely in
+            # already: posted after the step's first send instead.
+            self._frame_due = True
+        else:
+            self._net.control.post_next()
 
     def recv_layer(self, stage_idx, layer_idx, max_num_tokens=None) -> WorkItem:
         net = self._require_net()
@@ -213,8 +221,10 @@ class P2pFFNConnector(ScheduledFFNConnector):
         stage = stage_idx + 1
         if stage == len(self._sources):
             layer_idx, stage = self._next_layer.get(layer_idx), 0
-            if layer_idx is None:
-                if self._posts_early:
-                    self._post_next_step()
-                return
-        self._posted = self._post(layer_idx, stage, self._sources[stage])
+        if layer_idx is not None:
+            self._posted = self._post(layer_idx, stage, self._sources[stage])
+        elif self._posts_early:
+            self._post_next_step()
+        if self._frame_due:
+            self._frame_due = False
+            self._net.control.post_next()

@@ -6,6 +6,8 @@ metadata never waits behind device streams.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from afd_common.transport.codec import STEP_FRAME_BYTES, decode_step, encode_step, to_tensor
@@ -27,9 +29,13 @@ class GlooControlPlane(ControlPlane):
         self.peers = peers
         self.role = role
         self._send_timeout_s = send_timeout_s
-        self._posted: dict | None = None  # the FFN side's receives of the next step
-        # peer -> its frame's buffer and that buffer's bytes (FFN side)
-        self._frames: dict[int, tuple[torch.Tensor, memoryview]] = {}
+        # The FFN side's receives of the next steps' frames, oldest first: (slot, peer ->
+        # posted receive). Two stay posted, so a frame (a STOP, too) never waits for its receive,
+        # also while the receive of the one after is not posted yet.
+        self._posted: deque[tuple[int, dict]] = deque()
+        self._turn = 0
+        # (slot, peer) -> that frame buffer and its bytes, two slots taken in turn (FFN side)
+        self._frames: dict[tuple[int, int], tuple[torch.Tensor, memoryview]] = {}
 
     def send_step(self, meta: StepMetadata) -> None:
         # The previous step's frames are long taken by now (the FFN side answered that step), so
@@ -39,29 +45,33 @@ class GlooControlPlane(ControlPlane):
         for peer in self.peers:
             self.io.isend(frame, peer, CONTROL_TAG)
 
-    def _post(self) -> dict:
-        """Each peer's frame lands in the same buffer every step: a frame is decoded (copied
-        out) before the next one's receive is posted."""
+    def _post(self) -> None:
+        """The receives of one more step's frames. A slot's buffers are posted again only after
+        the frame they held was decoded (copied out)."""
+        slot = self._turn = 1 - self._turn
         frames = self._frames
         for p in self.peers:
-            if p not in frames:
+            if (slot, p) not in frames:
                 buf = torch.empty(STEP_FRAME_BYTES, dtype=torch.uint8)
-                frames[p] = buf, memoryview(buf.numpy())
-        return {p: self.io.irecv(frames[p][0], p, CONTROL_TAG, "the next step's metadata")
-                for p in self.peers}
+                frames[slot, p] = buf, memoryview(buf.numpy())
+        self._posted.append((slot, {
+            p: self.io.irecv(frames[slot, p][0], p, CONTROL_TAG, "the next step's metadata")
+            for p in self.peers}))
 
     def post_next(self) -> None:
-        # The next step's frames can land as soon as they are sent: Gloo holds back a send
+        # The next steps' frames can land as soon as they are sent: Gloo holds back a send
         # whose receive is not posted, for a notification round trip.
-        if self._posted is None:
-            self._posted = self._post()
+        while len(self._posted) < 2:
+            self._post()
 
     def recv_step(self, timeout_s: float | None) -> StepPlan:
-        bufs, self._posted = self._posted or self._post(), None
+        if not self._posted:
+            self.post_next()
+        slot, bufs = self._posted.popleft()
         per_source: dict[int, StepMetadata] = {}
         for peer, pending in bufs.items():
             self.io.wait(pending, timeout_s)
-            raw = bytes(self._frames[peer][1])
+            raw = bytes(self._frames[slot, peer][1])
             try:
                 per_source[self.peers[peer]] = decode_step(raw)
             except AFDProtocolError as e:
