@@ -3,8 +3,8 @@ a send whose receive is not posted and moves the data only after another notific
 trip. Over the loopback transport, whose sends complete exactly when the peer posted the
 matching receive (as Gloo's), an attention rank's send is taken before the FFN side's loop calls
 for it -- each next (layer, stage) when the last result went out, a step's first layer when the
-previous step's last result went out (or when its plan arrives, the first time), the next step's
-frame when this one is served."""
+previous step's last result went out (or when its plan arrives, the first time), and two steps'
+frames ahead."""
 
 from __future__ import annotations
 
