@@ -67,11 +67,10 @@ class P2pFFNConnector(ScheduledFFNConnector):
         # Nothing posted on a world that is gone is waited on.
         self._posted, self._early, self._frame_due = None, {}, False
         shape = self.shape
-        self._buffers = ReceiveBuffers(shape.hidden_size, shape.dtype, shape.top_k,
-                                       self.config.compute_gate_on_attention, self.device)
+        self._buffers = ReceiveBuffers(shape.hidden_size, shape.dtype, shape.top_k, self._gate,
+                                       self.device)
         net = open_p2p_world(self, self.backend)
-        self._posts_early = (net.data.is_gloo and not net.data.in_order and not self._sharded
-                             and bool(shape.moe_layers))
+        self._posts_early = net.data.is_gloo and not net.data.in_order and not self._sharded
         return net
 
     def recv_step(self):
@@ -112,17 +111,18 @@ class P2pFFNConnector(ScheduledFFNConnector):
         # and the experts.
         meta = new_tuple(WorkItemMeta, (layer_idx, stage_idx, self._plan.step, sources, False,
                                         self._kind))
-        data, timeout = net.data, self.timeouts.current()
-        if len(receives) == 1 and not self._gate:  # one source's rows, used where they land
-            pending = receives[0][2]
-            item = WorkItem(pending.tensor, meta)
-            data.wait(pending, timeout)
-            return item
         shape = self.shape
-        parts = [unpack(p.tensor, n, shape.hidden_size, shape.dtype, shape.top_k, self._gate)
-                 for _, n, p in receives]
+        if len(receives) == 1 and not self._gate:  # one source's rows, used where they land
+            item, parts = WorkItem(receives[0][2].tensor, meta), None
+        else:
+            item = None
+            parts = [unpack(p.tensor, n, shape.hidden_size, shape.dtype, shape.top_k,
+                            self._gate) for _, n, p in receives]
+        data, timeout = net.data, self.timeouts.current()
         for _, _, p in receives:
             data.wait(p, timeout)
+        if item is not None:
+            return item
         if len(parts) == 1:
             hidden, ids, weights = parts[0]
         elif parts:
