@@ -275,8 +275,11 @@ def test_a_forged_group_entry_cannot_redirect_a_rank():
     print(f"rank 0: {errors or 'formed the group before rank 1 closed'}")
 
 
-def _world_in_thread(role: str, spec: Spec, connect_timeout_s: float | None, out: dict):
-    """One rank's AFDWorld formed in a thread; ``out[role]`` = "ok" or the error."""
+def _world_in_thread(role: str, spec: Spec, connect_timeout_s: float | None, out: dict,
+                     formed=None):
+    """One rank's AFDWorld formed in a thread; ``out[role]`` = "ok" or the error. With
+    ``formed`` (a barrier) the world stays open until every rank has formed its own: the FFN
+    rank hosts the store, and closing it at once could cut a peer still reading its hello."""
     import dataclasses
     import threading
 
@@ -290,9 +293,12 @@ def _world_in_thread(role: str, spec: Spec, connect_timeout_s: float | None, out
 
     def run():
         try:
-            world.AFDWorld(config, 0, topo.world_size, topo.global_rank, {"f": 1},
-                           spec.timeout_s).close()
+            w = world.AFDWorld(config, 0, topo.world_size, topo.global_rank, {"f": 1},
+                               spec.timeout_s)
             out[role] = "ok"
+            if formed is not None:
+                formed.wait()
+            w.close()
         except Exception as e:  # noqa: BLE001 - reported to the test
             out[role] = f"{type(e).__name__}: {e}"
 
@@ -305,12 +311,15 @@ def _world_in_thread(role: str, spec: Spec, connect_timeout_s: float | None, out
 def test_a_role_waits_for_its_peer_longer_than_any_step_timeout(first):
     """Without connect_timeout_s the first role to start waits as long as it takes (here 4x
     the step timeouts) and the world forms when the other turns up."""
+    import threading
+
     spec, out = Spec(1, 1, timeout_s=1, port=free_port()), {}
-    threads = [_world_in_thread(first, spec, None, out)]
+    formed = threading.Barrier(2, timeout=30)
+    threads = [_world_in_thread(first, spec, None, out, formed)]
     time.sleep(4)
     assert out == {}, out
     threads.append(_world_in_thread({"attention": "ffn", "ffn": "attention"}[first], spec, None,
-                                    out))
+                                    out, formed))
     for t in threads:
         t.join(30)
     assert out == {"attention": "ok", "ffn": "ok"}
