@@ -11,7 +11,6 @@ step and stages without rows must not change a single value. The e2e tier does t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import tempfile
 import threading
@@ -302,7 +301,7 @@ def test_dp_ranks_lost_a_forward_apart_line_up_on_the_next_ffn_role(deploy, monk
         armed.clear()
         rows = dict(item.meta.sources)
         meta = item.meta._replace(sources=((0, 0), (1, rows[1])))
-        send(self, output[rows[0]:], dataclasses.replace(item, meta=meta))
+        send(self, output[rows[0]:], item._replace(meta=meta))
         threading.Thread(target=d.restart_ffn).start()
     monkeypatch.setattr(LoopbackFFNConnector, "send_ffn_output", send_rank_1_only_then_die)
     d.step(STEPS[0], seed=0)

@@ -112,41 +112,9 @@ def test_receive_buffers_are_reused_two_layers_on(pair):
     assert len(set(seen.values())) == 4  # two per stage
 
 
-def test_the_next_steps_first_rows_find_their_receive_before_the_plan(pair):
-    """On Gloo (and loopback, which follows its rules) the FFN half posts each source's first
-    receive of the next step when it sends a step's last result, sized by max_num_tokens: the
-    attention side's first rows of a step are taken before the FFN side decoded the plan. A step
-    whose first stage has no rows leaves that receive for the step after."""
-    a, f = pair
-    for step, rows in enumerate(((3, 2), (0, 2), (4, 1))):
-        a.begin_step(StepMetadata(step, StepKind.RUN, rows))
-        pending = {}
-        for stage in (0, 1):
-            x = torch.randn(rows[stage], H)
-            pending[stage] = x, a.send_attn_output(x, LayerCall(1, stage))
-            if stage == 0 and rows[0] and step:
-                assert taken(a), f"step {step}: the first rows wait for the plan"
-            if stage == 0:
-                f.recv_step()
-            item = f.recv_layer(stage, 1)
-            assert torch.equal(item.hidden_states, x)
-            f.send_ffn_output(item.hidden_states * 3, item)
-        for stage in (0, 1):
-            x, p = pending[stage]
-            assert torch.equal(a.recv_ffn_output(p), x * 3)
-        for stage in (0, 1):
-            x = torch.randn(rows[stage], H)
-            p = a.send_attn_output(x, LayerCall(2, stage))
-            item = f.recv_layer(stage, 2)
-            f.send_ffn_output(item.hidden_states - 1, item)
-            assert torch.equal(a.recv_ffn_output(p), x - 1)
-        a.end_step()
-        f.end_step()
-
-
 def test_a_step_above_max_num_tokens_is_refused_before_anything_is_sent(pair):
-    """The FFN side sizes its early first receive by max_num_tokens; the attention side refuses
-    a longer step itself, naming the limit, and the connector stays usable."""
+    """Both roles size their messages by max_num_tokens: the attention side refuses a longer
+    step itself, naming the limit, before anything is sent, and the connector stays usable."""
     a, f = pair
     limit = a.shape.max_num_tokens
     with pytest.raises(ValueError, match=rf"step 0 has {limit + 1} tokens .* max_num_tokens "

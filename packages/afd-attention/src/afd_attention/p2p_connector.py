@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 
 from afd_common import metrics
-from afd_common.transport.p2p import PROTOCOL, count_tag, data_tag, open_p2p_world, pack
+from afd_common.transport.p2p import (PROTOCOL, DataTags, count_tag, data_tag, open_p2p_world,
+                                      pack)
+from afd_common.transport.process_groups import PendingRecv
 from afd_common.contract import AttentionConnector
 
 
@@ -27,33 +29,39 @@ class P2pAttentionConnector(AttentionConnector):
         self._links = self.topology.links_of_attention(self.local_rank)
         # The FFN rank that gets all of this rank's rows, if one does (replicated, A >= F).
         self._one_link = (self._links[0].ffn_rank if len(self._links) == 1
-                          and self._links[0].num_chunks == 1 else None)
+                          and self._links[0].num_chunks == 1 and not self.topology.sharded
+                          else None)
         self._one_dst = (None if self._one_link is None
                          else self.topology.ffn_global_rank(self._one_link))
         self._rec = metrics.recorder("attention", self.config.connector)
+        self._tags = DataTags()
 
     def _open(self):
         return open_p2p_world(self, self.backend)
 
     def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None):
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
+        dst = self._one_dst
+        if dst is not None and rows:
+            # Every row to one FFN rank: no views to cut, and the one receive is the state. The
+            # send goes out before anything else is done for it (the result's buffer, its
+            # receive, the metrics): the FFN side starts while this side does the rest.
+            data = self._net.data
+            tag = self._tags[call]
+            data.isend(hidden_states if topk_ids is None and hidden_states.is_contiguous()
+                       else pack(hidden_states, topk_ids, topk_weights), dst, tag)
+            pending = data.irecv(torch.empty_like(hidden_states), dst, tag,
+                                 ("the FFN result of layer {} stage {}", *call))
+            self._rec.routed(self._one_link, rows)
+            return self._pending(call, pending)
         net = self._net
         if self.topology.sharded:
             return self._pending(call, self._send_sharded(net, call, rows, hidden_states,
                                                           topk_ids, topk_weights))
-        tag = data_tag(call.layer_idx, call.stage)
-        what = ("the FFN result of layer {} stage {}", call.layer_idx, call.stage)
-        # Each send goes out before anything else is done for it (the result's buffer, its
-        # receive, the metrics): the FFN side starts while this side does the rest.
-        if self._one_link is not None:  # every row to one FFN rank: no views to cut
-            if not rows:
-                return self._pending(call, (torch.empty_like(hidden_states), ()))
-            dst = self._one_dst
-            net.data.isend(pack(hidden_states, topk_ids, topk_weights), dst, tag)
-            out = torch.empty_like(hidden_states)
-            pending = net.data.irecv(out, dst, tag, what)
-            self._rec.routed(self._one_link, rows)
-            return self._pending(call, (out, (pending,)))
+        tag = self._tags[call]
+        what = ("the FFN result of layer {} stage {}", *call)
+        if not rows:
+            return self._pending(call, (torch.empty_like(hidden_states), ()))
         sent = []
         start = 0
         for link in self._links:
@@ -97,7 +105,9 @@ class P2pAttentionConnector(AttentionConnector):
     def recv_ffn_output(self, pending) -> torch.Tensor:
         state = self._take(pending)
         net = self._net
-        timeout = self.timeouts.current()
+        timeout = self.timeouts.current_s
+        if type(state) is PendingRecv:  # one FFN rank's reply: the result
+            return net.data.wait(state, timeout)
         if self.topology.sharded:
             rows, like, parts = state
             out = like.new_zeros(rows, like.shape[1])

@@ -65,13 +65,13 @@ class Timeouts:
 
     first_step_s: float
     step_s: float
-    _first_done: bool = False
 
-    def current(self) -> float:
-        return self.step_s if self._first_done else self.first_step_s
+    def __post_init__(self):
+        #: The bound of a wait now. An attribute: it is read on every layer's path.
+        self.current_s = self.first_step_s
 
     def step_done(self) -> None:
-        self._first_done = True
+        self.current_s = self.step_s
 
     @classmethod
     def from_config(cls, config: AFDConfig) -> Timeouts:
@@ -260,6 +260,10 @@ class AttentionConnector(AFDConnector):
         super().__init__(*args, **kwargs)
         self._step: StepMetadata | None = None
         self._inflight: set[LayerCall] = set()  # sent, result not yet received
+        # What a send of each stage of the current step must look like (begin_step): (hidden
+        # rows' size, routing's size or None).
+        self._expect: tuple[tuple[torch.Size, torch.Size | None], ...] = ()
+        self._moe_set = frozenset(self.shape.moe_layers)
 
     # -- the primitives ----------------------------------------------------------------------
 
@@ -271,8 +275,8 @@ class AttentionConnector(AFDConnector):
                                f"still unreceived: {sorted(self._inflight)}")
         control = self.control_plane
         if control is not None:
-            # The FFN side refuses such a plan, and on Gloo it has already posted the step's
-            # first receive sized by this limit: a longer message there ends its process.
+            # The FFN side would refuse the plan (a protocol error that ends the step on both
+            # sides); refused here, nothing is sent and the connector stays usable.
             tokens = sum(meta.stage_tokens)
             if tokens > self.shape.max_num_tokens:
                 raise ValueError(f"step {meta.step} has {tokens} tokens (stage_tokens "
@@ -280,6 +284,10 @@ class AttentionConnector(AFDConnector):
                                  f"{self.shape.max_num_tokens} (--max-num-batched-tokens), "
                                  "which both roles size their messages by")
         self._step = meta
+        h, k = self.shape.hidden_size, self.shape.top_k
+        gate = self.config.compute_gate_on_attention
+        self._expect = tuple((torch.Size((n, h)), torch.Size((n, k)) if gate else None)
+                             for n in meta.stage_tokens)
         if control is not None:
             control.send_step(meta)
 
@@ -314,16 +322,36 @@ class AttentionConnector(AFDConnector):
     def _take(self, pending: PendingResult):
         """The state of a call in flight, once: a handle received twice, or from before a
         close, is refused."""
-        self._require_net()
-        if pending.call not in self._inflight:
-            raise RuntimeError(f"recv_ffn_output({pending.call}): not in flight (received "
+        call, state = pending
+        if call not in self._inflight or self._net is None:
+            self._require_net()
+            raise RuntimeError(f"recv_ffn_output({call}): not in flight (received "
                                f"already?); in flight: {sorted(self._inflight)}")
-        self._inflight.discard(pending.call)
-        return pending.state
+        self._inflight.discard(call)
+        return state
 
     def _check_send(self, hidden, call, topk_ids, topk_weights) -> int:
         """Rows of ``hidden`` after checking it against the model shape and the step; every
-        check runs before anything is sent."""
+        check runs before anything is sent.
+
+        On the path from one layer's result to the next layer's send, where each line costs
+        (its code is cold after every wait: up to 1 us a line, measured), so a call is compared
+        with what ``begin_step`` prepared in one condition; anything else goes through every
+        check one by one, which names what is wrong."""
+        layer, stage = call
+        expect = self._expect
+        if (0 <= stage < len(expect) and hidden.dtype == self.shape.dtype
+                and layer in self._moe_set and call not in self._inflight
+                and self._net is not None):
+            size, routing = expect[stage]
+            if hidden.shape == size and (
+                    topk_ids is None and topk_weights is None if routing is None
+                    else topk_ids is not None and topk_weights is not None
+                    and topk_ids.shape == routing and topk_weights.shape == routing):
+                return size[0]
+        return self._check_send_one_by_one(hidden, call, topk_ids, topk_weights)
+
+    def _check_send_one_by_one(self, hidden, call, topk_ids, topk_weights) -> int:
         self._require_net()
         shape, step = self.shape, self._step
         if step is None:

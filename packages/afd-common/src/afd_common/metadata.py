@@ -77,14 +77,16 @@ class WorkItemMeta(NamedTuple):
         return sources[0][1] if len(sources) == 1 else sum(rows for _, rows in sources)
 
 
-@dataclass
-class WorkItem:
+class WorkItem(NamedTuple):
+    """One batch of rows for one layer's experts, as the FFN half received it. A tuple, like
+    ``WorkItemMeta``: one is made per layer."""
+
     hidden_states: torch.Tensor
     meta: WorkItemMeta
     topk_ids: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
-    # Connector-private state needed to send the result back (e.g. CAM batch_info).
-    handle: object | None = field(default=None, repr=False)
+    #: Connector-private state needed to send the result back (e.g. CAM batch_info).
+    handle: object | None = None
 
     @property
     def layer_idx(self) -> int:

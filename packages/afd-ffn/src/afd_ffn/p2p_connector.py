@@ -13,16 +13,11 @@ receive posted late costs a round trip per layer. The order of operations on eve
 the one ``p2p`` lists (it is only earlier in time), so in-order transports (NCCL, HCCL) are as
 safe as before.
 
-On Gloo the next step's first rows get their receive even before its plan: when a step's last
-result is sent, each source's first-layer, first-stage receive is posted sized by this role's own
-limit (``max_num_tokens`` rows). Gloo takes a shorter message into a longer receive, and the
-attention side sends those rows right after the plan, sooner than this side can decode the plan
-and post them (measured: 15 us against 125-250 us). A source without rows in that stage sends
-none, so its receive waits for the next step's. Not on in-order transports (sizes must match)
-nor with sharded experts (a row count comes first). The attention half refuses a step above that
-limit before sending anything (a longer message would end this process inside Gloo); a peer that
-sends another row count than it announced goes unnoticed there, as on any Gloo receive of a
-longer message (Gloo reports no length).
+The next step's first receive waits for its plan. Posting it earlier on Gloo (when a step's last
+result goes out, sized by max_num_tokens, Gloo taking a shorter message into a longer receive)
+was tried and measured slower at every size, steady layers included (median of five alternating
+runs of ``benchmarks/transport.py``: 1.72 -> 1.51x raw at 1 token, 1.44 -> 1.33x at 16, 1.37 ->
+1.29x at 128), and it needed this side's sizes and the peer's row counts to agree unchecked.
 """
 
 from __future__ import annotations
@@ -32,9 +27,8 @@ from typing import NamedTuple
 import torch
 
 from afd_common.errors import AFDProtocolError
-from afd_common.transport.process_groups import PendingRecv
 from afd_common.metadata import StepKind, WorkItem, WorkItemMeta, new_tuple
-from afd_common.transport.p2p import (PROTOCOL, ReceiveBuffers, count_tag, data_tag,
+from afd_common.transport.p2p import (PROTOCOL, DataTags, ReceiveBuffers, count_tag,
                                       open_p2p_world, unpack)
 from afd_common.contract import ScheduledFFNConnector
 
@@ -61,16 +55,19 @@ class P2pFFNConnector(ScheduledFFNConnector):
         self._global = {link.attention_rank: self.topology.attention_global_rank(
             link.attention_rank) for link in self._links}
         self._sharded, self._gate = self.topology.sharded, self.config.compute_gate_on_attention
+        self._hidden_size, self._dtype = self.shape.hidden_size, self.shape.dtype
+        # What posts a (layer, stage)'s receives: its rows, or with sharded experts their counts.
+        self._post = self._post_counts if self._sharded else self._post_rows
+        self._tags = DataTags()
         self._kind = StepKind.RUN  # the current step's
 
     def _open(self):
         # Nothing posted on a world that is gone is waited on.
-        self._posted, self._early, self._frame_due = None, {}, False
+        self._posted, self._frame_due = None, False
         shape = self.shape
         self._buffers = ReceiveBuffers(shape.hidden_size, shape.dtype, shape.top_k, self._gate,
                                        self.device)
         net = open_p2p_world(self, self.backend)
-        self._posts_early = net.data.is_gloo and not net.data.in_order and not self._sharded
         return net
 
     def recv_step(self):
@@ -113,16 +110,15 @@ class P2pFFNConnector(ScheduledFFNConnector):
                                         self._kind))
         shape = self.shape
         if len(receives) == 1 and not self._gate:  # one source's rows, used where they land
-            item, parts = WorkItem(receives[0][2].tensor, meta), None
-        else:
-            item = None
-            parts = [unpack(p.tensor, n, shape.hidden_size, shape.dtype, shape.top_k,
-                            self._gate) for _, n, p in receives]
-        data, timeout = net.data, self.timeouts.current()
+            pending = receives[0][2]
+            item = new_tuple(WorkItem, (pending.tensor, meta, None, None, None))
+            net.data.wait(pending, self.timeouts.current_s)
+            return item
+        parts = [unpack(p.tensor, n, shape.hidden_size, shape.dtype, shape.top_k, self._gate)
+                 for _, n, p in receives]
+        data, timeout = net.data, self.timeouts.current_s
         for _, _, p in receives:
             data.wait(p, timeout)
-        if item is not None:
-            return item
         if len(parts) == 1:
             hidden, ids, weights = parts[0]
         elif parts:
@@ -137,53 +133,30 @@ class P2pFFNConnector(ScheduledFFNConnector):
                        if self._gate else None)
         return self.work_item(hidden, meta, ids, weights)
 
-    def _post(self, layer_idx: int, stage_idx: int, sources) -> Posted:
-        """Post the receives of (layer, stage): the rows of each source that has any or, with
-        sharded experts, every source's row count."""
+    def _post_counts(self, layer_idx: int, stage_idx: int, sources) -> Posted:
+        """Post the receives of (layer, stage) with sharded experts: every source's row count."""
         net = self._net
-        if self._sharded:
-            what = ("the row count of layer {} stage {}", layer_idx, stage_idx)
-            ctag = count_tag(layer_idx, stage_idx)
-            # On the data plane's device (NCCL moves device tensors); reading it back is the one
-            # host sync a sharded layer needs: the rows' receive is posted with their size.
-            return Posted(layer_idx, stage_idx, tuple(
-                (a, bound, net.data.irecv(self._buffers.count(stage_idx, a), self._global[a],
-                                          ctag, what))
-                for a, bound in sources))
-        return new_tuple(Posted, (layer_idx, stage_idx,
-                                  self._post_rows(layer_idx, stage_idx, sources)))
+        what = ("the row count of layer {} stage {}", layer_idx, stage_idx)
+        ctag = count_tag(layer_idx, stage_idx)
+        # On the data plane's device (NCCL moves device tensors); reading it back is the one host
+        # sync a sharded layer needs: the rows' receive is posted with their size.
+        return Posted(layer_idx, stage_idx, tuple(
+            (a, bound, net.data.irecv(self._buffers.count(stage_idx, a), self._global[a], ctag,
+                                      what))
+            for a, bound in sources))
 
-    def _post_rows(self, layer_idx: int, stage_idx: int, sources) -> tuple:
-        data, buffers, tag = self._net.data, self._buffers, data_tag(layer_idx, stage_idx)
+    def _post_rows(self, layer_idx: int, stage_idx: int, sources) -> Posted:
+        """Post the receives of (layer, stage): the rows of each source that has any."""
+        data, buffers, tag = self._net.data, self._buffers, self._tags[layer_idx, stage_idx]
         what = ("hidden states of layer {} stage {}", layer_idx, stage_idx)
-        early = self._early if stage_idx == 0 and layer_idx == self._first_layer else None
-        posted = []
-        for a, n in sources:
-            if not n:
-                continue
-            pending = early.pop(a, None) if early else None
-            if pending is None:
-                pending = data.irecv(buffers.message(stage_idx, a, n), self._global[a], tag, what)
-            else:  # posted before the plan: its first n rows
-                pending = PendingRecv(pending.work, buffers.first_rows(pending.tensor, n),
-                                      pending.src, pending.what)
-            posted.append((a, n, pending))
-        return tuple(posted)
-
-    def _post_next_step(self) -> None:
-        """Each source's receive of the next step's first rows, before its plan (module
-        docstring), where none is posted yet."""
-        layer, rows, data = self._first_layer, self.shape.max_num_tokens, self._net.data
-        what = ("hidden states of layer {} stage {}", layer, 0)
-        for a, dst in self._global.items():
-            if a not in self._early:
-                self._early[a] = data.irecv(self._buffers.message(0, a, rows), dst,
-                                            data_tag(layer, 0), what)
+        return new_tuple(Posted, (layer_idx, stage_idx, tuple(
+            (a, n, data.irecv(buffers.message(stage_idx, a, n), self._global[a], tag, what))
+            for a, n in sources if n)))
 
     def _post_routed(self, counts, layer_idx: int, stage_idx: int):
         """(attention rank, rows routed here) for this layer, each checked against the rows that
         rank announced for the stage, and the receives of those rows."""
-        data, timeout = self._net.data, self.timeouts.current()
+        data, timeout = self._net.data, self.timeouts.current_s
         sources = []
         for a, bound, pending in counts:
             n = int(data.wait(pending, timeout)[0])
@@ -193,24 +166,28 @@ class P2pFFNConnector(ScheduledFFNConnector):
                     f"{stage_idx}, outside [0, {bound}] (its tokens in this stage)")
             sources.append((a, n))
         sources = tuple(sources)
-        return sources, self._post_rows(layer_idx, stage_idx, sources)
+        return sources, self._post_rows(layer_idx, stage_idx, sources).receives
 
     def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
         meta = item.meta
-        self._check_output(output, meta.num_tokens)
-        net = self._net
-        tag = data_tag(meta.layer_idx, meta.stage)
-        output = output.contiguous()
         sources = meta.sources
-        if len(sources) == 1:  # one attention rank's rows: no view to cut
+        if (len(sources) == 1 and output.shape == (sources[0][1], self._hidden_size)
+                and output.dtype == self._dtype and output.is_contiguous()
+                and self._net is not None):
+            # One attention rank's rows, checked in one condition: this is the path from the
+            # rows' arrival to the result's send, where each line costs (contract._check_send).
             a, n = sources[0]
             if n:
-                net.data.isend(output, self._global[a], tag)
+                self._net.data.isend(output, self._global[a], self._tags[meta.layer_idx,
+                                                                         meta.stage])
         else:
+            self._check_output(output, meta.num_tokens)
+            data, tag = self._net.data, self._tags[meta.layer_idx, meta.stage]
+            output = output.contiguous()
             start = 0
             for a, n in sources:
                 if n:
-                    net.data.isend(output[start:start + n], self._global[a], tag)
+                    data.isend(output[start:start + n], self._global[a], tag)
                     start += n
         self._post_next(meta.layer_idx, meta.stage)
 
@@ -223,8 +200,6 @@ class P2pFFNConnector(ScheduledFFNConnector):
             layer_idx, stage = self._next_layer.get(layer_idx), 0
         if layer_idx is not None:
             self._posted = self._post(layer_idx, stage, self._sources[stage])
-        elif self._posts_early:
-            self._post_next_step()
         if self._frame_due:
             self._frame_due = False
             self._net.control.post_next()

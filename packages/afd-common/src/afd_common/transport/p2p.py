@@ -26,9 +26,7 @@ ignored (NCCL, HCCL)::
 Neither side posts a receive before the sends that its peer's matching receive follows. Within
 that order each receive is posted as early as it can be (the FFN side's next one right after its
 send, the attention side's reply right after its send): Gloo holds back a send whose receive is
-not posted yet for a notification round trip. On Gloo, which takes a shorter message into a
-longer receive, the FFN side posts a step's first receive before the step's plan, sized by its
-own limit (``afd_ffn.p2p_connector``).
+not posted yet for a notification round trip.
 """
 
 from __future__ import annotations
@@ -50,6 +48,15 @@ def data_tag(layer_idx: int, stage: int) -> int:
     return layer_idx * MAX_STAGES + stage
 
 
+class DataTags(dict):
+    """(layer, stage) -> ``data_tag``, each computed once: looked up on the path of every
+    layer's round trip, where a dict lookup costs less than a call."""
+
+    def __missing__(self, key: tuple[int, int]) -> int:
+        tag = self[key] = data_tag(*key)
+        return tag
+
+
 COUNT_TAG_BASE = 1 << 20
 
 
@@ -64,7 +71,7 @@ def routing_nbytes(rows: int, top_k: int) -> int:
 def pack(hidden: torch.Tensor, topk_ids: torch.Tensor | None,
          topk_weights: torch.Tensor | None) -> torch.Tensor:
     if topk_ids is None:
-        return hidden.contiguous()
+        return hidden if hidden.is_contiguous() else hidden.contiguous()
     parts = [topk_ids.to(torch.int32).contiguous().view(torch.uint8).flatten(),
              topk_weights.to(torch.float32).contiguous().view(torch.uint8).flatten(),
              hidden.contiguous().view(torch.uint8).flatten()]
@@ -93,42 +100,37 @@ class ReceiveBuffers:
         self._with_routing, self._device = with_routing, device
         self._row_bytes = (hidden_size * dtype.itemsize
                            + (routing_nbytes(1, top_k) if with_routing else 0))
-        # key -> [turn, slot, slot]: ring[turn] is the slot taken last
-        self._rings: dict[tuple, list] = {}
+        # (stage, source) -> [slot taken next, the other]
+        self._rows: dict[tuple[int, int], list[_Slot]] = {}
+        self._counts: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     def message(self, stage: int, source: int, rows: int) -> torch.Tensor:
         """A buffer for ``rows`` rows from ``source`` in the message layout above."""
-        slot = self._turn(("rows", stage, source))
+        ring = self._rows.get((stage, source))
+        if ring is None:
+            ring = self._rows[stage, source] = [_Slot(), _Slot()]
+        slot = ring[0]
+        ring[0], ring[1] = ring[1], slot
         if slot.rows == rows:
             return slot.view
         storage = slot.storage
         nbytes = rows * self._row_bytes
         if storage is None or storage.numel() < nbytes:
-            storage = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+            storage = slot.storage = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
         view = storage[:nbytes]
         if not self._with_routing:
             view = view.view(self._dtype).view(rows, self._hidden_size)
-        slot.set(rows, view, storage)
+        slot.rows, slot.view = rows, view
         return view
-
-    def first_rows(self, message: torch.Tensor, rows: int) -> torch.Tensor:
-        """The first ``rows`` rows of a message buffer posted for more: where a shorter message
-        landed in it (the layout is contiguous in the row count)."""
-        return message[:rows * self._row_bytes] if self._with_routing else message[:rows]
 
     def count(self, stage: int, source: int) -> torch.Tensor:
         """A buffer for a row count (int64 [1])."""
-        slot = self._turn(("count", stage, source))
-        if slot.view is None:
-            slot.set(1, torch.empty(1, dtype=torch.int64, device=self._device), None)
-        return slot.view
-
-    def _turn(self, key: tuple) -> _Slot:
-        ring = self._rings.get(key)
+        ring = self._counts.get((stage, source))
         if ring is None:
-            ring = self._rings[key] = [0, _Slot(), _Slot()]
-        turn = ring[0] = 2 if ring[0] == 1 else 1
-        return ring[turn]
+            ring = self._counts[stage, source] = [
+                torch.empty(1, dtype=torch.int64, device=self._device) for _ in range(2)]
+        ring.reverse()
+        return ring[0]
 
 
 class _Slot:
@@ -136,9 +138,6 @@ class _Slot:
 
     def __init__(self):
         self.rows, self.view, self.storage = -1, None, None
-
-    def set(self, rows: int, view: torch.Tensor, storage: torch.Tensor | None) -> None:
-        self.rows, self.view, self.storage = rows, view, storage
 
 
 def unpack(buf: torch.Tensor, rows: int, hidden_size: int, dtype: torch.dtype, top_k: int,

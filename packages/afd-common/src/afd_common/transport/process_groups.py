@@ -17,13 +17,14 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from afd_common.errors import AFDPeerError, AFDTimeoutError
+from afd_common.metadata import new_tuple
 from afd_common.transport.inorder import InOrderGroup
 
 logger = logging.getLogger("vllm.afd")
@@ -244,8 +245,10 @@ def default_backend(device: torch.device) -> str:
     return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
 
 
-@dataclass
-class PendingRecv:
+class PendingRecv(NamedTuple):
+    """A posted receive. A tuple: one is made per layer and source on the path of every round
+    trip."""
+
     work: object
     tensor: torch.Tensor
     src: int
@@ -255,12 +258,12 @@ class PendingRecv:
         return self.what if isinstance(self.what, str) else self.what[0].format(*self.what[1:])
 
 
-_timedeltas: dict[float, timedelta] = {}
+#: Bounds as Gloo takes them, by seconds (None: an idle wait). Read on every layer's path, so
+#: looked up in place (``_timedeltas.get(s) or _seconds(s)``) rather than through a call.
+_timedeltas: dict[float | None, timedelta] = {None: IDLE_WAIT}
 
 
 def _seconds(timeout_s: float | None) -> timedelta:
-    if timeout_s is None:
-        return IDLE_WAIT
     td = _timedeltas.get(timeout_s)
     if td is None:
         td = _timedeltas[timeout_s] = timedelta(seconds=timeout_s)
@@ -298,7 +301,11 @@ class PeerIO:
             work = self.group.send([tensor], dst, tag)
         except RuntimeError as e:
             raise AFDPeerError(f"send to {self._describe(dst)} failed: {first_line(e)}") from None
-        self._pending.setdefault(dst, []).append((work, tensor))
+        sends = self._pending.get(dst)
+        if sends is None:
+            self._pending[dst] = [(work, tensor)]
+        else:
+            sends.append((work, tensor))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str | tuple) -> PendingRecv:
         """Post a receive now (so the transport can land data early); wait for it later."""
@@ -309,41 +316,44 @@ class PeerIO:
             raise AFDPeerError(f"lost {self._describe(src)} before receiving {what}: "
                                f"{first_line(e)}") from None
         if self._replied:
-            self._settle_replied()
-        return PendingRecv(work, tensor, src, what)
+            replied, self._replied = self._replied, {}
+            for dst, (count, timeout_s) in replied.items():
+                self._settle(dst, timeout_s, count)
+        return new_tuple(PendingRecv, (work, tensor, src, what))
 
     def wait(self, pending: PendingRecv, timeout_s: float | None) -> torch.Tensor:
         """``timeout_s=None``: wait until the data or the connection's end (idle waits)."""
+        work, tensor, src, _ = pending
+        # What the reply will prove taken, noted before the wait: after it, this is the path
+        # to this side's next send.
+        sends = self._pending.get(src)
+        if sends:
+            self._replied[src] = len(sends), 60.0 if timeout_s is None else timeout_s
         try:
             if self.is_gloo:
-                pending.work.wait(_seconds(timeout_s))
+                work.wait(_timedeltas.get(timeout_s) or _seconds(timeout_s))
             else:
-                wait_device_work(pending.work, timeout_s)
+                wait_device_work(work, timeout_s)
         except RuntimeError as e:
-            src = self._describe(pending.src)
+            self._replied.pop(src, None)
+            where = self._describe(src)
             if is_timeout(e):
                 hint = (" -- or, under in-order matching, an operation posted earlier on this "
                         "link never completed" if self.in_order else "")
-                raise AFDTimeoutError(f"no {pending.describe()} from {src} within {timeout_s} s "
-                                      f"(is the peer alive and in the same step?{hint})") from None
-            raise AFDPeerError(f"lost {src} while waiting for {pending.describe()}: "
+                raise AFDTimeoutError(f"no {pending.describe()} from {where} within {timeout_s} "
+                                      f"s (is the peer alive and in the same step?{hint})") from None
+            raise AFDPeerError(f"lost {where} while waiting for {pending.describe()}: "
                                f"{first_line(e)}") from None
-        sends = self._pending.get(pending.src)
-        if sends:
-            self._replied[pending.src] = len(sends), 60.0 if timeout_s is None else timeout_s
-        return pending.tensor
-
-    def _settle_replied(self) -> None:
-        replied, self._replied = self._replied, {}
-        for dst, (count, timeout_s) in replied.items():
-            self._settle(dst, timeout_s, count)
+        return tensor
 
     def _settle(self, dst: int, timeout_s: float, count: int | None = None) -> None:
         """Wait for our sends to ``dst``: the first ``count`` (those a reply proved), or all."""
-        sends = self._pending.pop(dst, [])
+        sends = self._pending.pop(dst, None)
+        if not sends:
+            return
         if count is not None and count < len(sends):
             sends, self._pending[dst] = sends[:count], sends[count:]
-        bound = _seconds(timeout_s) if self.is_gloo else None
+        bound = (_timedeltas.get(timeout_s) or _seconds(timeout_s)) if self.is_gloo else None
         for work, _ in sends:
             try:
                 if bound is not None:
