@@ -149,9 +149,12 @@ class P2pFFNConnector(ScheduledFFNConnector):
         """Post the receives of (layer, stage): the rows of each source that has any."""
         data, buffers, tag = self._net.data, self._buffers, self._tags[layer_idx, stage_idx]
         what = ("hidden states of layer {} stage {}", layer_idx, stage_idx)
-        return new_tuple(Posted, (layer_idx, stage_idx, tuple(
-            (a, n, data.irecv(buffers.message(stage_idx, a, n), self._global[a], tag, what))
-            for a, n in sources if n)))
+        posted = []
+        for a, n in sources:  # a loop, not a generator: this runs once per layer and stage
+            if n:
+                posted.append((a, n, data.irecv(buffers.message(stage_idx, a, n),
+                                                 self._global[a], tag, what)))
+        return new_tuple(Posted, (layer_idx, stage_idx, tuple(posted)))
 
     def _post_routed(self, counts, layer_idx: int, stage_idx: int):
         """(attention rank, rows routed here) for this layer, each checked against the rows that
