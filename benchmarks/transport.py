@@ -23,6 +23,13 @@ seconds (another process's burst, a vCPU descheduled), and a ratio of two separa
 measure that drift, not the connector.
 
     uv run --no-sync python benchmarks/transport.py [--layers 16] [--reps 30] [--breakdown]
+    uv run --no-sync python benchmarks/transport.py --cpu
+
+``--cpu`` measures instead each half's own Python per layer, hot, in this one process: the
+loopback connector's two halves with their data plane on a group that moves nothing (every send
+and receive done at once), a step of 64 layers at a time, each half alone, against the bare
+loop's halves on the same group. It is what a layer costs the CPU before any byte moves: on 2
+vCPUs every microsecond of it, on either side, shows in the round trip.
 
 ``--breakdown`` also times each side's point-to-point calls (a thin wrapper around both groups)
 and prints where a layer's round trip goes, for the connector and the raw reference alike: the
@@ -156,6 +163,98 @@ class BareFFN:
         self._send = None
 
 
+class _Done:
+    """A finished work."""
+
+    def wait(self, *args):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class NoGroup:
+    """A group whose sends and receives are done at once, moving nothing (``--cpu``)."""
+
+    _done = _Done()
+
+    def name(self):
+        return "gloo"
+
+    def send(self, tensors, dst, tag):
+        return self._done
+
+    def recv(self, tensors, src, tag):
+        return self._done
+
+
+def cpu_per_layer(tokens: int, layers: int = 64, steps: int = 400) -> dict:
+    """Median microseconds of each half's Python per layer, and the bare loop's (``--cpu``)."""
+    import threading
+
+    from afd_common.transport.process_groups import PeerIO
+
+    port = free_port()
+    halves = []
+    for role in ("attention", "ffn"):
+        cfg = parse_afd_config({"role": role, "port": port, "connector": "LoopbackAFDConnector",
+                                "connector_extra_config": {"timeout_s": 60}})
+        halves.append(resolve_connector("LoopbackAFDConnector", role)(cfg, 0, shape(layers)))
+    a, f = halves
+    t = threading.Thread(target=f.init)
+    t.start()
+    a.init()
+    t.join()
+    try:
+        for half in halves:  # the control plane keeps its group: a plan still travels
+            half._net.data = PeerIO(NoGroup(), str)
+        x = torch.randn(tokens, H).to(torch.bfloat16)
+        calls = [LayerCall(layer) for layer in range(layers)]
+        bare_a, bare_f = BareAttention(NoGroup()), BareFFN(NoGroup(), tokens)
+        times = {"attention": [], "ffn": [], "bare attention": [], "bare ffn": []}
+        clock = time.perf_counter
+        for step in range(steps + 50):
+            a.begin_step(StepMetadata(step, StepKind.RUN, (tokens,)))
+            f.recv_step()
+            t0 = clock()
+            for call in calls:
+                a.recv_ffn_output(a.send_attn_output(x, call))
+            t1 = clock()
+            for layer in range(layers):
+                item = f.recv_layer(0, layer)
+                f.send_ffn_output(item.hidden_states, item)
+            t2 = clock()
+            a.end_step()
+            f.end_step()
+            for _ in range(layers):
+                bare_a.recv_ffn_output(bare_a.send_attn_output(x))
+            t3 = clock()
+            bare_f.post(0)
+            for layer in range(layers):
+                bare_f.send_ffn_output(bare_f.recv_layer(), layer, layer + 1 == layers)
+            bare_f.finish()
+            t4 = clock()
+            if step >= 50:
+                for key, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    times[key].append(v / layers * 1e6)
+        return {key: statistics.median(v) for key, v in times.items()}
+    finally:
+        a.close()
+        f.close()
+
+
+def print_cpu(args) -> None:
+    print("Python per layer, hot, no byte moved (median us): each half of the connector, the "
+          "bare loop's, and the difference")
+    print(f"{'T':>5} {'attention':>10} {'bare':>6} {'extra':>6} {'FFN':>6} {'bare':>6} "
+          f"{'extra':>6}")
+    for t in args.tokens:
+        r = cpu_per_layer(t)
+        print(f"{t:>5} {r['attention']:>10.2f} {r['bare attention']:>6.2f} "
+              f"{r['attention'] - r['bare attention']:>+6.2f} {r['ffn']:>6.2f} "
+              f"{r['bare ffn']:>6.2f} {r['ffn'] - r['bare ffn']:>+6.2f}")
+
+
 def timed(conn, raw, args):
     """(connector log, raw log), the groups wrapped, if --breakdown."""
     if not args.breakdown:
@@ -268,7 +367,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--breakdown", action="store_true",
                     help="also print where a layer's round trip goes, leg by leg")
+    ap.add_argument("--cpu", action="store_true",
+                    help="only each half's Python per layer, hot, in one process, no byte moved")
     args = ap.parse_args(argv)
+    if args.cpu:
+        torch.set_num_threads(1)
+        print_cpu(args)
+        return 0
     if args.layers < 2:
         ap.error("--layers must be at least 2 (the steady ratio leaves out each step's first)")
     ctx = mp.get_context("spawn")

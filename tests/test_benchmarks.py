@@ -29,3 +29,16 @@ def test_transport_benchmark_round_trips_and_prints_the_ratio_per_size():
         "attention: send call", "wire to the FFN side", "FFN: rows in hand -> send issued",
         "FFN: send call", "wire back", "attention: result in hand -> next send issued"], out.stdout
     assert len(legs) == 2 * 6, out.stdout
+
+
+def test_transport_benchmark_cpu_mode_prints_each_halfs_python_per_layer():
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "transport.py"), "--cpu", "--tokens",
+                          "1", "16"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # T, attention, bare, extra, FFN, bare, extra (us)
+    rows = re.findall(r"^\s+(\d+)" + r"\s+([+-]?[\d.]+)" * 6 + r"\s*$", out.stdout, re.M)
+    assert [int(r[0]) for r in rows] == [1, 16], out.stdout
+    for r in rows:
+        attention, bare_a, extra_a, ffn, bare_f, extra_f = map(float, r[1:])
+        assert attention > 0 and bare_a > 0 and ffn > 0 and bare_f > 0, out.stdout
+        assert abs(attention - bare_a - extra_a) < 0.02 and abs(ffn - bare_f - extra_f) < 0.02
