@@ -83,7 +83,29 @@ def encode_step(meta: StepMetadata) -> bytes:
     return _frame(FrameKind.STEP, payload)
 
 
+#: A STEP frame's header and payload head in one, and the stage counts' layout by their number:
+#: decoded at once on the path from a step's plan to its first receive.
+_STEP_FRAME_HEAD = struct.Struct("<2sBBIqBH")
+_STAGE_TOKENS = [struct.Struct(f"<{n}q") for n in range(MAX_STAGES + 1)]
+_STEP = int(FrameKind.STEP)
+
+
 def decode_step(data: bytes) -> StepMetadata:
+    if len(data) >= _STEP_FRAME_HEAD.size:
+        magic, version, kind, length, step, kind_value, num_stages = (
+            _STEP_FRAME_HEAD.unpack_from(data))
+        step_kind = _STEP_KINDS.get(kind_value)
+        if (magic == MAGIC and version == WIRE_VERSION and kind == _STEP and step >= 0
+                and step_kind is not None and 1 <= num_stages <= MAX_STAGES
+                and length == _STEP_HEAD.size + 8 * num_stages
+                and len(data) >= _HEADER.size + length):
+            tokens = _STAGE_TOKENS[num_stages].unpack_from(data, _STEP_FRAME_HEAD.size)
+            if min(tokens) >= 0 and max(tokens) < MAX_TOKENS:
+                return StepMetadata(step, step_kind, tokens)
+    return _decode_step_checking(data)  # raises, naming what is wrong
+
+
+def _decode_step_checking(data: bytes) -> StepMetadata:
     payload = _unframe(data, FrameKind.STEP)
     if len(payload) < _STEP_HEAD.size:
         raise AFDProtocolError(f"STEP payload of {len(payload)} bytes is too short")
