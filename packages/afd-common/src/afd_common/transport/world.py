@@ -6,8 +6,8 @@ rank is an error, not a silent mix-up); every rank publishes a fingerprint and c
 other rank's with its own *before* any process group exists, so roles that do not belong together
 refuse each other with one error naming the field and both values. The first refusal is left in
 the store, so a rank that sees nothing wrong itself still stops with the reason, and the FFN rank 0
-keeps the store up (briefly) until the peers that said hello have seen it: a rank slower to compare
-must not find the store gone and stop without knowing why.
+keeps the store up (at most ``REFUSAL_LINGER_S``) until every peer has seen it: a rank slower to
+claim or compare must not find the store gone and stop without knowing why.
 
 Attention ranks that step in lock (vLLM's DP ranks without ``async_dp``) also tell each other how
 many forwards each has finished (``steps_done``): after a lost FFN role, one of them may have got
@@ -48,8 +48,8 @@ from afd_common.transport.process_groups import (CONNECT_PROGRESS_EVERY_S, Rende
 logger = logging.getLogger("vllm.afd")
 
 REFUSAL_KEY = "afd/refusal"
-# The longest the FFN rank 0 waits for the peers that said hello to acknowledge a refusal before
-# it closes the store: a peer that never looks again must not hold it.
+# The longest the FFN rank 0 waits for the peers to acknowledge a refusal before it closes the
+# store: a peer that never comes, or never looks again, must not hold it.
 REFUSAL_LINGER_S = 5.0
 
 
@@ -228,14 +228,14 @@ class AFDWorld:
             logger.debug("%s: could not leave the refusal for the peers: %s", self.what, e)
 
     def _linger(self, store: dist.Store) -> None:
-        """A peer that claimed its place may still be on its way to its hello or comparing:
-        closing the store under it would leave it a bare "lost the rendezvous". So wait for each
-        one's acknowledgement, boundedly."""
+        """A peer may still be on its way to its claim, its hello or its comparing: closing the
+        store under it would leave it a bare store error. So wait for every one's
+        acknowledgement, boundedly: also for a peer that has not claimed its place yet (one
+        started a moment later than the refused one met a closed store at its claim)."""
         end = time.monotonic() + REFUSAL_LINGER_S
         others = [r for r in range(self.world_size) if r != self.rank]
         while time.monotonic() < end:
-            if not any(store.check([f"afd/claim/{r}"])
-                       and not store.check([f"afd/refusal_seen/{r}"]) for r in others):
+            if all(store.check([f"afd/refusal_seen/{r}"]) for r in others):
                 return
             time.sleep(0.05)
         logger.info("%s: closing the rendezvous; not every peer read the refusal within %.0f s",
