@@ -67,8 +67,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
         shape = self.shape
         self._buffers = ReceiveBuffers(shape.hidden_size, shape.dtype, shape.top_k, self._gate,
                                        self.device)
-        net = open_p2p_world(self, self.backend)
-        return net
+        return open_p2p_world(self, self.backend)
 
     def recv_step(self):
         if self._posted is not None:  # the loop left a step before serving all of it
