@@ -192,7 +192,7 @@ def cpu_per_layer(tokens: int, layers: int = 64, steps: int = 400) -> dict:
     """Median microseconds of each half's Python per layer, and the bare loop's (``--cpu``)."""
     import threading
 
-    from afd_common.transport.process_groups import PeerIO
+    from afd_common.transport.peer_io import PeerIO
 
     port = free_port()
     halves = []

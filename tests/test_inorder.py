@@ -68,7 +68,7 @@ def test_a_posted_receive_holds_back_later_sends_to_the_same_peer_only():
 
 def _exchange(rank, group_name, in_order, reply_first):
     """Rank 0 plays the attention side of one MoE layer, rank 1 the FFN side."""
-    from afd_common.transport.process_groups import PeerIO
+    from afd_common.transport.peer_io import PeerIO
 
     pg = torch._C._distributed_c10d._resolve_process_group(group_name)
     io = PeerIO(pg, lambda r: f"rank {r}", in_order=in_order)
@@ -136,7 +136,7 @@ class _NcclGroup:
 def test_device_waits_are_bounded_by_the_step_timeout_and_real():
     """On NCCL/HCCL a receive is waited for on the CPU until it completed, at most the step
     timeout: the measured wait is the real one, and a lost peer is an error in bounded time."""
-    from afd_common.transport.process_groups import PeerIO
+    from afd_common.transport.peer_io import PeerIO
 
     io = PeerIO(_NcclGroup(after_s=0.2), lambda r: f"FFN rank {r}")
     start = time.monotonic()
@@ -152,7 +152,7 @@ def test_device_waits_are_bounded_by_the_step_timeout_and_real():
 def test_a_send_never_taken_names_the_step_timeout():
     """A cut link may leave a send, not a receive, waiting: its error names the timeout too."""
     from afd_common.errors import AFDTimeoutError
-    from afd_common.transport.process_groups import PeerIO
+    from afd_common.transport.peer_io import PeerIO
 
     io = PeerIO(_NcclGroup(after_s=60), lambda r: f"FFN rank {r}")
     io.isend(torch.empty(1), 1, 0)

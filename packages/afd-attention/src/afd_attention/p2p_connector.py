@@ -16,7 +16,7 @@ import torch
 from afd_common import metrics
 from afd_common.transport.p2p import (PROTOCOL, DataTags, count_tag, data_tag, open_p2p_world,
                                       pack)
-from afd_common.transport.process_groups import PendingRecv
+from afd_common.transport.peer_io import PendingRecv
 from afd_common.contract import AttentionConnector
 
 

@@ -38,8 +38,9 @@ from afd_common.transport import inorder
 from afd_common.transport.control_plane import GlooControlPlane, link_peers
 from afd_common.errors import AFDConfigError, AFDPeerError, AFDTimeoutError
 from afd_common.transport.sync_links import WATCH_TAG, SyncLinks
-from afd_common.transport.process_groups import (PeerIO, default_backend, first_line, is_timeout,
-                                  register_named_group, unregister_group)
+from afd_common.transport.peer_io import PeerIO, first_line, is_timeout
+from afd_common.transport.process_groups import (default_backend, register_named_group,
+                                                 unregister_group)
 from afd_common.transport.world import open_world
 
 CAM_P2P_PROTOCOL = "camp2p/1"

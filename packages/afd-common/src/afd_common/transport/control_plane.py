@@ -15,7 +15,7 @@ from afd_common.contract import ControlPlane, StepPlan
 from afd_common.errors import AFDPeerError, AFDProtocolError
 from afd_common.metadata import StepMetadata
 from afd_common.topology import Topology
-from afd_common.transport.process_groups import PeerIO
+from afd_common.transport.peer_io import PeerIO
 
 CONTROL_TAG = 0x7FFF
 

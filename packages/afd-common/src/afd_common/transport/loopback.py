@@ -78,7 +78,7 @@ class _Work:
 
 class LoopbackGroup:
     """The point-to-point half of a process group, as ``PeerIO``
-    (afd_common.transport.process_groups) uses it."""
+    (afd_common.transport.peer_io) uses it."""
 
     def __init__(self, hub: _Hub, key: str, rank: int):
         self._hub, self._key, self._rank = hub, key, rank

@@ -37,7 +37,8 @@ from afd_common.transport import inorder
 from afd_common.transport.control_plane import GlooControlPlane, link_peers
 from afd_common.metadata import MAX_STAGES
 from afd_common.transport.sync_links import SyncLinks
-from afd_common.transport.process_groups import PeerIO, default_backend
+from afd_common.transport.peer_io import PeerIO
+from afd_common.transport.process_groups import default_backend
 from afd_common.transport.world import open_world
 
 

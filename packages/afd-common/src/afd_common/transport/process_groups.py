@@ -1,9 +1,10 @@
-"""Process groups of our own, bounded waits and non-blocking sends over torch.distributed.
+"""Process groups of our own over torch.distributed: rendezvous, signed entries, groups.
 
 Each role is a vLLM instance that already owns torch.distributed's default group, so AFD never
 touches it: the connector builds its own store and its own process groups (Gloo on CPU, NCCL on
 CUDA, HCCL on NPU) from the c10d classes directly. The rendezvous socket is bound by us to the
-configured host only and handed to the TCPStore.
+configured host only and handed to the TCPStore. What moves over a group once it is formed:
+``afd_common.transport.peer_io``.
 """
 
 from __future__ import annotations
@@ -17,23 +18,18 @@ import os
 import socket
 import threading
 import time
-from typing import NamedTuple
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from afd_common.errors import AFDPeerError, AFDTimeoutError
-from afd_common.metadata import new_tuple
-from afd_common.transport.inorder import InOrderGroup
+from afd_common.transport.peer_io import backend_name
 
 logger = logging.getLogger("vllm.afd")
 
 # Waiting for a peer to turn up may last as long as a checkpoint loads: a line every 30 s.
 CONNECT_PROGRESS_EVERY_S = 30.0
-# Waiting for the next step is not bounded: a role may be idle for days. A dead peer still ends
-# the wait at once (its connection closes).
-IDLE_WAIT = timedelta(days=3650)
 
 
 def is_loopback(host: str) -> bool:
@@ -245,186 +241,6 @@ def default_backend(device: torch.device) -> str:
     return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
 
 
-class PendingRecv(NamedTuple):
-    """A posted receive. A tuple: one is made per layer and source on the path of every round
-    trip."""
-
-    work: object
-    tensor: torch.Tensor
-    src: int
-    what: str | tuple  # a format string and its arguments, formatted only for an error
-
-    def describe(self) -> str:
-        return self.what if isinstance(self.what, str) else self.what[0].format(*self.what[1:])
-
-
-#: Bounds as Gloo takes them, by seconds (None: an idle wait). Read on every layer's path, so
-#: looked up in place (``_timedeltas.get(s) or _seconds(s)``) rather than through a call.
-_timedeltas: dict[float | None, timedelta] = {None: IDLE_WAIT}
-
-
-def _seconds(timeout_s: float | None) -> timedelta:
-    td = _timedeltas.get(timeout_s)
-    if td is None:
-        td = _timedeltas[timeout_s] = timedelta(seconds=timeout_s)
-    return td
-
-
-class PeerIO:
-    """Point-to-point on one group: sends never block, receives are bounded and named.
-
-    Gloo reads a sent tensor after ``send`` returns and only learns that the peer took it inside
-    ``wait``, so each send is kept (tensor alive) until it is known to be done: a reply from the
-    same peer proves the peer received everything we sent before, so a successful ``recv`` from a
-    peer settles our earlier sends to it: their works are waited on (bounded; done by then,
-    unless a later micro-batch's send is still on its way) once this side's next receive is
-    posted, not between the receive and the next send, nor between that send and the post of
-    the receive its answer needs: both are on the path of every layer's round trip. ``flush``
-    settles the rest with a bound.
-    """
-
-    def __init__(self, group: dist.ProcessGroup, describe_rank, in_order: bool = False):
-        """``in_order``: a data plane under ``AFD_TEST_INORDER``
-        (``afd_common.transport.inorder``)."""
-        self._describe = describe_rank  # global rank -> "FFN rank 1" etc.
-        self._pending: dict[int, list[tuple[object, torch.Tensor]]] = {}
-        # peer -> (how many of our sends to it its reply proved taken, bound to wait them)
-        self._replied: dict[int, tuple[int, float]] = {}
-        # Waited on the host, like Gloo's works (not a device stream's).
-        self.is_gloo = _backend_name(group) in ("gloo", "loopback")
-        self.in_order = in_order and self.is_gloo
-        self.group = InOrderGroup(group) if self.in_order else group
-        self.closing = False
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        try:
-            work = self.group.send([tensor], dst, tag)
-        except RuntimeError as e:
-            raise AFDPeerError(f"send to {self._describe(dst)} failed: {first_line(e)}") from None
-        sends = self._pending.get(dst)
-        if sends is None:
-            self._pending[dst] = [(work, tensor)]
-        else:
-            sends.append((work, tensor))
-
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str | tuple) -> PendingRecv:
-        """Post a receive now (so the transport can land data early); wait for it later."""
-        try:
-            work = self.group.recv([tensor], src, tag)
-        except RuntimeError as e:
-            what = PendingRecv(None, tensor, src, what).describe()
-            raise AFDPeerError(f"lost {self._describe(src)} before receiving {what}: "
-                               f"{first_line(e)}") from None
-        if self._replied:
-            replied, self._replied = self._replied, {}
-            for dst, (count, timeout_s) in replied.items():
-                self._settle(dst, timeout_s, count)
-        return new_tuple(PendingRecv, (work, tensor, src, what))
-
-    def wait(self, pending: PendingRecv, timeout_s: float | None) -> torch.Tensor:
-        """``timeout_s=None``: wait until the data or the connection's end (idle waits)."""
-        work, tensor, src, _ = pending
-        # What the reply will prove taken, noted before the wait: after it, this is the path
-        # to this side's next send.
-        sends = self._pending.get(src)
-        if sends:
-            self._replied[src] = len(sends), 60.0 if timeout_s is None else timeout_s
-        try:
-            if self.is_gloo:
-                work.wait(_timedeltas.get(timeout_s) or _seconds(timeout_s))
-            else:
-                wait_device_work(work, timeout_s)
-        except RuntimeError as e:
-            self._replied.pop(src, None)
-            where = self._describe(src)
-            if is_timeout(e):
-                hint = (" -- or, under in-order matching, an operation posted earlier on this "
-                        "link never completed" if self.in_order else "")
-                raise AFDTimeoutError(f"no {pending.describe()} from {where} within {timeout_s} "
-                                      f"s (is the peer alive and in the same step?{hint})") from None
-            raise AFDPeerError(f"lost {where} while waiting for {pending.describe()}: "
-                               f"{first_line(e)}") from None
-        return tensor
-
-    def _settle(self, dst: int, timeout_s: float, count: int | None = None) -> None:
-        """Wait for our sends to ``dst``: the first ``count`` (those a reply proved), or all."""
-        sends = self._pending.pop(dst, None)
-        if not sends:
-            return
-        if count is not None and count < len(sends):
-            sends, self._pending[dst] = sends[:count], sends[count:]
-        bound = (_timedeltas.get(timeout_s) or _seconds(timeout_s)) if self.is_gloo else None
-        for work, _ in sends:
-            try:
-                if bound is not None:
-                    work.wait(bound)
-                else:
-                    wait_device_work(work, timeout_s)
-            except RuntimeError as e:
-                if is_timeout(e):
-                    raise AFDTimeoutError(f"{self._describe(dst)} did not take a message we sent "
-                                          f"within {timeout_s} s: {first_line(e)}") from None
-                raise AFDPeerError(f"{self._describe(dst)} did not take a message we sent: "
-                                   f"{first_line(e)}") from None
-
-    def flush(self, timeout_s: float) -> None:
-        """Wait (bounded) until every peer took what we sent."""
-        self._replied.clear()
-        for dst in list(self._pending):
-            self._settle(dst, timeout_s)
-
-    def watch(self, peers: list[int], tag: int, on_lost) -> None:
-        """Learn, without polling, when the connection to a peer drops: one daemon thread per
-        peer waits on a receive the peer never sends. ``on_lost(peer, reason)`` runs in that
-        thread unless ``closing`` was set first (a normal shutdown)."""
-        for peer in peers:
-            def run(peer=peer, buf=torch.empty(1, dtype=torch.uint8)):
-                try:
-                    self.group.recv([buf], peer, tag).wait(IDLE_WAIT)
-                except RuntimeError as e:
-                    if not self.closing:
-                        on_lost(peer, f"lost {self._describe(peer)}: {first_line(e)}")
-            threading.Thread(target=run, daemon=True, name=f"afd-watch-{peer}").start()
-
-
-def wait_device_work(work, timeout_s: float | None) -> None:
-    """Wait for NCCL/HCCL work within ``timeout_s``, on the CPU.
-
-    There ``Work.wait()`` only orders the current stream after the operation (or, with blocking
-    waits, blocks for the whole group timeout): a lost peer would surface long after the step
-    timeout. So completion is polled (the event query does not block), then ``wait()`` orders the
-    stream and raises the operation's own error, if any. When this returns, the data is there:
-    the time measured around it is the real wait, not the enqueue.
-    """
-    end = None if timeout_s is None else time.monotonic() + timeout_s
-    spins = 0
-    while not work.is_completed():
-        if end is not None and time.monotonic() > end:
-            raise RuntimeError(f"Timed out after {timeout_s} s waiting for the operation to "
-                               "complete on the device")
-        spins += 1
-        if spins > 200:
-            time.sleep(50e-6)
-    work.wait()
-
-
-def _backend_name(group) -> str:
-    try:
-        return group.name().lower()
-    except Exception:  # noqa: BLE001 - a wrapper without name(): assume the CPU transport
-        return "gloo"
-
-
-def is_timeout(e: BaseException) -> bool:
-    msg = str(e).lower()
-    return "timed out" in msg or "timeout" in msg
-
-
-def first_line(e: BaseException) -> str:
-    msg = str(e).strip()
-    return msg.splitlines()[0] if msg else type(e).__name__
-
-
 def register_named_group(backend_pg, store: dist.Store, rank: int, size: int, name: str,
                          device: torch.device) -> dist.ProcessGroup:
     """Wrap a standalone backend (``new_group``) in a c10d ProcessGroup registered as ``name``.
@@ -434,7 +250,7 @@ def register_named_group(backend_pg, store: dist.Store, rank: int, size: int, na
     """
     c10d = torch._C._distributed_c10d
     kind = {"gloo": c10d.ProcessGroup.BackendType.GLOO,
-            "nccl": c10d.ProcessGroup.BackendType.NCCL}.get(_backend_name(backend_pg),
+            "nccl": c10d.ProcessGroup.BackendType.NCCL}.get(backend_name(backend_pg),
                                                           c10d.ProcessGroup.BackendType.CUSTOM)
     pg = c10d.ProcessGroup(store, rank, size)
     pg._set_default_backend(kind)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from afd_common.transport.control_plane import GlooControlPlane
 from afd_common.metadata import StepMetadata
-from afd_common.transport.process_groups import PeerIO
+from afd_common.transport.peer_io import PeerIO
 from afd_common.transport.world import AFDWorld
 
 WATCH_TAG = 0x7FFE  # never sent: a receive on it only ends when the connection does
