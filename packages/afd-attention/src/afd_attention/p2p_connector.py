@@ -48,8 +48,7 @@ class P2pAttentionConnector(AttentionConnector):
             # receive, the metrics): the FFN side starts while this side does the rest.
             data = self._net.data
             tag = self._tags[call]
-            data.isend(hidden_states if topk_ids is None and hidden_states.is_contiguous()
-                       else pack(hidden_states, topk_ids, topk_weights), dst, tag)
+            data.isend(pack(hidden_states, topk_ids, topk_weights), dst, tag)
             pending = data.irecv(torch.empty_like(hidden_states), dst, tag,
                                  ("the FFN result of layer {} stage {}", *call))
             self._rec.routed(self._one_link, rows)

@@ -465,14 +465,9 @@ class ScheduledFFNConnector(AFDConnector):
                     f"max_num_tokens {self.shape.max_num_tokens}")
         self._plan = plan
         # (attention rank, rows) per stage, in batch order: the same for every layer of the step.
-        links = self._links
-        if len(links) == 1 and links[0].num_chunks == 1:  # one attention rank's whole batch
-            a = links[0].attention_rank
-            self._sources = [((a, n),) for n in plan.per_source[a].stage_tokens]
-        else:
-            self._sources = [tuple((link.attention_rank, self.topology.chunk_rows(
-                link, plan.per_source[link.attention_rank].stage_tokens[stage]))
-                for link in links) for stage in range(plan.num_stages)]
+        self._sources = [tuple((link.attention_rank, self.topology.chunk_rows(
+            link, plan.per_source[link.attention_rank].stage_tokens[stage]))
+            for link in self._links) for stage in range(plan.num_stages)]
 
     def _stage_sources(self, stage_idx: int, max_num_tokens: int | None,
                        layer_idx: int) -> tuple[tuple[int, int], ...]:

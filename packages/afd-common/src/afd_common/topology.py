@@ -101,6 +101,8 @@ class Topology:
 
     def chunk_rows(self, link: Link, num_tokens: int) -> int:
         """Rows of an attention rank's ``num_tokens`` that travel over ``link``."""
+        if link.num_chunks == 1:  # the whole batch (read once per step and stage)
+            return num_tokens
         return split_evenly(num_tokens, link.num_chunks)[link.chunk]
 
     def describe(self) -> str:

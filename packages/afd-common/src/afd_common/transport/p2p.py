@@ -101,7 +101,7 @@ class ReceiveBuffers:
         self._with_routing, self._device = with_routing, device
         self._row_bytes = (hidden_size * dtype.itemsize
                            + (routing_nbytes(1, top_k) if with_routing else 0))
-        # (stage, source) -> [slot taken next, the other]
+        # (stage, source) -> [slot taken last, the other], turned before each take
         self._rows: dict[tuple[int, int], list[_Slot]] = {}
         self._counts: dict[tuple[int, int], list[torch.Tensor]] = {}
 
@@ -110,8 +110,8 @@ class ReceiveBuffers:
         ring = self._rows.get((stage, source))
         if ring is None:
             ring = self._rows[stage, source] = [_Slot(), _Slot()]
+        ring.reverse()
         slot = ring[0]
-        ring[0], ring[1] = ring[1], slot
         if slot.rows == rows:
             return slot.view
         storage = slot.storage
