@@ -155,6 +155,73 @@ def test_attention_side_refuses_bad_input_before_sending():
             conn.send_attn_output(hidden, call)
 
 
+class _RecordingIO:
+    """A data plane that records what the attention half asks of it and moves nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def request(self, tensor, peer, tag, what):
+        from afd_common.transport.peer_io import PendingRecv
+
+        self.calls.append(("request", tuple(tensor.shape), tensor.is_contiguous(), tag))
+        return PendingRecv(None, torch.full_like(tensor, 7.0), peer, what)
+
+    def isend(self, tensor, dst, tag):
+        self.calls.append(("isend", tuple(tensor.shape), tensor.is_contiguous(), tag))
+
+    def irecv(self, tensor, src, tag, what):
+        from afd_common.transport.peer_io import PendingRecv
+
+        tensor.fill_(7.0)
+        return PendingRecv(None, tensor, src, what)
+
+    def wait(self, pending, timeout_s):
+        return pending.tensor
+
+
+def test_one_ffn_rank_path_refuses_what_the_checks_one_by_one_refuse():
+    """The one-FFN-rank path checks a call in one condition against what begin_step prepared;
+    whatever fails it gets the checks one by one (the same errors as before any step), and a
+    valid call that does not fit it (here: not contiguous) takes the general path."""
+    from types import SimpleNamespace
+
+    from afd_common.transport.p2p import data_tag
+
+    cfg = parse_afd_config({"role": "attention", "port": 1})
+    shape = ModelShape(hidden_size=16, dtype=torch.float32, num_layers=4, moe_layers=(1, 2, 3))
+    conn = resolve_connector("P2pAFDConnector", "attention")(cfg, 0, shape)
+    io = _RecordingIO()
+    conn._net = SimpleNamespace(control=None, data=io)
+    routed = conn._rec.routed_rows.get(0, 0)
+    conn.begin_step(StepMetadata(0, StepKind.RUN, (3,)))
+    for hidden, call, needle in [
+        (torch.zeros(3, 15), LayerCall(1), "hidden_size"),
+        (torch.zeros(3, 16, dtype=torch.bfloat16), LayerCall(1), "dtype"),
+        (torch.zeros(3, 16), LayerCall(0), "not an MoE layer"),
+        (torch.zeros(3, 16), LayerCall(7), "layer index 7"),
+        (torch.zeros(3, 16), LayerCall(1, stage=1), "stage 1 out of range"),
+        (torch.zeros(3, 16), LayerCall(1, stage=-1), "stage -1 out of range"),
+        (torch.zeros(2, 16), LayerCall(1), "announced 3"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            conn.send_attn_output(hidden, call)
+    assert io.calls == []  # nothing was sent for any of them
+    pending = conn.send_attn_output(torch.zeros(3, 16), LayerCall(1))
+    with pytest.raises(RuntimeError, match="sent twice"):
+        conn.send_attn_output(torch.zeros(3, 16), LayerCall(1))
+    assert torch.equal(conn.recv_ffn_output(pending), torch.full((3, 16), 7.0))
+    with pytest.raises(RuntimeError, match="not in flight"):
+        conn.recv_ffn_output(pending)
+    strided = torch.zeros(16, 3).t()
+    assert torch.equal(conn.recv_ffn_output(conn.send_attn_output(strided, LayerCall(2))),
+                       torch.full((3, 16), 7.0))
+    assert io.calls == [("request", (3, 16), True, data_tag(1, 0)),
+                        ("isend", (3, 16), True, data_tag(2, 0))]
+    conn.end_step()
+    assert conn._rec.routed_rows[0] == routed + 6  # both paths' rows reach the metrics
+
+
 def test_bad_rank_and_role_are_refused_before_any_socket():
     cfg = parse_afd_config({"role": "ffn", "num_ffn_ranks": 2, "port": 1})
     shape = ModelShape(hidden_size=16, dtype=torch.float32, num_layers=1, moe_layers=(0,))

@@ -17,7 +17,8 @@ from afd_common import metrics
 from afd_common.transport.p2p import (PROTOCOL, DataTags, count_tag, data_tag, open_p2p_world,
                                       pack)
 from afd_common.transport.peer_io import PendingRecv
-from afd_common.contract import AttentionConnector
+from afd_common.contract import AttentionConnector, PendingResult
+from afd_common.metadata import MAX_STAGES, new_tuple
 
 
 class P2pAttentionConnector(AttentionConnector):
@@ -27,32 +28,48 @@ class P2pAttentionConnector(AttentionConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._links = self.topology.links_of_attention(self.local_rank)
-        # The FFN rank that gets all of this rank's rows, if one does (replicated, A >= F).
-        self._one_link = (self._links[0].ffn_rank if len(self._links) == 1
-                          and self._links[0].num_chunks == 1 and not self.topology.sharded
-                          else None)
-        self._one_dst = (None if self._one_link is None
-                         else self.topology.ffn_global_rank(self._one_link))
+        # The FFN rank that gets all of this rank's rows, if one does (replicated, A >= F), and
+        # the FFN side computes the routing.
+        one = (len(self._links) == 1 and self._links[0].num_chunks == 1
+               and not self.topology.sharded and not self.config.compute_gate_on_attention)
+        self._one_link = self._links[0].ffn_rank if one else None
+        self._one_dst = self.topology.ffn_global_rank(self._one_link) if one else None
         self._rec = metrics.recorder("attention", self.config.connector)
         self._tags = DataTags()
+        # The one-FFN-rank path's table: call -> (tag, what a failed wait names), for calls of
+        # MoE layers only, and its rows sent since the last end_step (metrics, counted there).
+        self._one_calls = _OneLinkCalls(self._moe_set if one else ())
+        self._one_rows = 0
+        self._dtype = self.shape.dtype
 
     def _open(self):
         return open_p2p_world(self, self.backend)
 
+    def end_step(self) -> None:
+        super().end_step()
+        if self._one_rows:
+            self._rec.routed(self._one_link, self._one_rows)
+            self._one_rows = 0
+
     def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None):
+        # Every row to one FFN rank, without routing: checked in one condition against the
+        # table and what begin_step prepared (contract._check_send), on the path from one
+        # layer's result to the next send, where each line costs; the one receive is the state.
+        # Any other call is checked one by one and takes the general path below.
+        route = self._one_calls[call]
+        if route is not None and topk_ids is None and topk_weights is None:
+            inflight, expect, stage = self._inflight, self._expect, call[1]
+            net = self._net
+            if (stage < len(expect) and call not in inflight
+                    and hidden_states.shape == expect[stage][0]
+                    and hidden_states.dtype == self._dtype and hidden_states.is_contiguous()
+                    and net is not None and expect[stage][0][0]):
+                tag, what = route
+                pending = net.data.request(hidden_states, self._one_dst, tag, what)
+                self._one_rows += expect[stage][0][0]
+                inflight.add(call)
+                return new_tuple(PendingResult, (call, pending))
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
-        dst = self._one_dst
-        if dst is not None and rows:
-            # Every row to one FFN rank: no views to cut, and the one receive is the state. The
-            # send goes out before anything else is done for it (the result's buffer, its
-            # receive, the metrics): the FFN side starts while this side does the rest.
-            data = self._net.data
-            tag = self._tags[call]
-            data.isend(pack(hidden_states, topk_ids, topk_weights), dst, tag)
-            pending = data.irecv(torch.empty_like(hidden_states), dst, tag,
-                                 ("the FFN result of layer {} stage {}", *call))
-            self._rec.routed(self._one_link, rows)
-            return self._pending(call, pending)
         net = self._net
         if self.topology.sharded:
             return self._pending(call, self._send_sharded(net, call, rows, hidden_states,
@@ -102,11 +119,15 @@ class P2pAttentionConnector(AttentionConnector):
         return rows, hidden, parts
 
     def recv_ffn_output(self, pending) -> torch.Tensor:
+        call, state = pending
+        if type(state) is PendingRecv:  # one FFN rank's reply: the result
+            inflight, net = self._inflight, self._net
+            if call in inflight and net is not None:
+                inflight.discard(call)
+                return net.data.wait(state, self.timeouts.current_s)
         state = self._take(pending)
         net = self._net
         timeout = self.timeouts.current_s
-        if type(state) is PendingRecv:  # one FFN rank's reply: the result
-            return net.data.wait(state, timeout)
         if self.topology.sharded:
             rows, like, parts = state
             out = like.new_zeros(rows, like.shape[1])
@@ -117,3 +138,20 @@ class P2pAttentionConnector(AttentionConnector):
         for p in pending:
             net.data.wait(p, timeout)
         return out
+
+
+class _OneLinkCalls(dict):
+    """call -> (tag, what a failed wait names) for the calls a step may make (MoE layers,
+    stages in range), each made once; None for any other (checked, and refused, one by one)."""
+
+    def __init__(self, moe_layers):
+        super().__init__()
+        self._moe = moe_layers
+
+    def __missing__(self, call):
+        layer, stage = call
+        if layer not in self._moe or not 0 <= stage < MAX_STAGES:
+            return None
+        route = self[call] = (data_tag(layer, stage),
+                              ("the FFN result of layer {} stage {}", layer, stage))
+        return route

@@ -86,9 +86,11 @@ class P2pFFNConnector(ScheduledFFNConnector):
             self._net.control.post_next()
 
     def recv_layer(self, stage_idx, layer_idx, max_num_tokens=None) -> WorkItem:
-        net = self._require_net()
         posted, self._posted = self._posted, None
-        if posted is None or posted.layer_idx != layer_idx or posted.stage != stage_idx:
+        net = self._net
+        if (posted is None or posted.layer_idx != layer_idx or posted.stage != stage_idx
+                or net is None):
+            self._require_net()
             sources = self._stage_sources(stage_idx, max_num_tokens, layer_idx)
             if posted is not None:
                 raise RuntimeError(
@@ -96,23 +98,24 @@ class P2pFFNConnector(ScheduledFFNConnector):
                     f"{posted.layer_idx} stage {posted.stage} is next: the scheduled loop serves "
                     "the MoE layers in order, each layer's stages in order")
             posted = self._post(layer_idx, stage_idx, sources)
-        else:  # the one posted: its layer and stage were checked when the step began
-            if max_num_tokens is not None:
-                self._stage_sources(stage_idx, max_num_tokens, layer_idx)
-            sources = self._sources[stage_idx]
+        elif max_num_tokens is not None:
+            # The one posted: its layer and stage were checked when the step began.
+            self._stage_sources(stage_idx, max_num_tokens, layer_idx)
         receives = posted.receives
         if self._sharded:
             sources, receives = self._post_routed(receives, layer_idx, stage_idx)
+        else:
+            sources = self._sources[stage_idx]
         # The item is made before waiting: after the data lands only the waits stand between it
         # and the experts.
         meta = new_tuple(WorkItemMeta, (layer_idx, stage_idx, self._plan.step, sources, False,
                                         self._kind))
-        shape = self.shape
         if len(receives) == 1 and not self._gate:  # one source's rows, used where they land
             pending = receives[0][2]
             item = new_tuple(WorkItem, (pending.tensor, meta, None, None, None))
             net.data.wait(pending, self.timeouts.current_s)
             return item
+        shape = self.shape
         parts = [unpack(p.tensor, n, shape.hidden_size, shape.dtype, shape.top_k, self._gate)
                  for _, n, p in receives]
         data, timeout = net.data, self.timeouts.current_s
@@ -148,8 +151,12 @@ class P2pFFNConnector(ScheduledFFNConnector):
         """Post the receives of (layer, stage): the rows of each source that has any."""
         data, buffers, tag = self._net.data, self._buffers, self._tags[layer_idx, stage_idx]
         what = ("hidden states of layer {} stage {}", layer_idx, stage_idx)
+        if len(sources) == 1:  # one source: no list to build, once per layer and stage
+            a, n = sources[0]
+            return new_tuple(Posted, (layer_idx, stage_idx, ((a, n, data.irecv(
+                buffers.message(stage_idx, a, n), self._global[a], tag, what)),) if n else ()))
         posted = []
-        for a, n in sources:  # a loop, not a generator: this runs once per layer and stage
+        for a, n in sources:
             if n:
                 posted.append((a, n, data.irecv(buffers.message(stage_idx, a, n),
                                                  self._global[a], tag, what)))
@@ -197,11 +204,14 @@ class P2pFFNConnector(ScheduledFFNConnector):
         """Post the receives of the (layer, stage) the loop serves next in this step, if any."""
         if self._posted is not None:
             return  # an item served twice: its successor is posted already
+        sources = self._sources
         stage = stage_idx + 1
-        if stage == len(self._sources):
-            layer_idx, stage = self._next_layer.get(layer_idx), 0
-        if layer_idx is not None:
-            self._posted = self._post(layer_idx, stage, self._sources[stage])
+        if stage < len(sources):
+            self._posted = self._post(layer_idx, stage, sources[stage])
+        else:
+            layer_idx = self._next_layer.get(layer_idx)
+            if layer_idx is not None:
+                self._posted = self._post(layer_idx, 0, sources[0])
         if self._frame_due:
             self._frame_due = False
             self._net.control.post_next()

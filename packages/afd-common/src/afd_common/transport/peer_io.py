@@ -53,13 +53,12 @@ class PeerIO:
     """Point-to-point on one group: sends never block, receives are bounded and named.
 
     Gloo reads a sent tensor after ``send`` returns and only learns that the peer took it inside
-    ``wait``, so each send is kept (tensor alive) until it is known to be done: a reply from the
-    same peer proves the peer received everything we sent before, so a successful ``recv`` from a
-    peer settles our earlier sends to it: their works are waited on (bounded; done by then,
-    unless a later micro-batch's send is still on its way) once this side's next receive is
-    posted, not between the receive and the next send, nor between that send and the post of
-    the receive its answer needs: both are on the path of every layer's round trip. ``flush``
-    settles the rest with a bound.
+    ``wait``, so each send is kept (tensor alive) until it is known to be done. A reply from a
+    peer proves that the peer received everything we sent it before the reply's wait began, so
+    those sends are waited on (bounded; done by then, unless a later micro-batch's send is still
+    on its way) at the next wait for that peer, just before it blocks: never between a receive
+    and the next send, nor between that send and the post of the receive its answer needs (the
+    path of every layer's round trip). ``flush`` settles the rest with a bound.
     """
 
     def __init__(self, group: dist.ProcessGroup, describe_rank, in_order: bool = False):
@@ -67,8 +66,8 @@ class PeerIO:
         (``afd_common.transport.inorder``)."""
         self._describe = describe_rank  # global rank -> "FFN rank 1" etc.
         self._pending: dict[int, list[tuple[object, torch.Tensor]]] = {}
-        # peer -> (how many of our sends to it its reply proved taken, bound to wait them)
-        self._replied: dict[int, tuple[int, float]] = {}
+        # peer -> how many of our first sends to it in ``_pending`` its last reply proved taken
+        self._proved: dict[int, int] = {}
         # Waited on the host, like Gloo's works (not a device stream's).
         self.is_gloo = backend_name(group) in ("gloo", "loopback")
         self.in_order = in_order and self.is_gloo
@@ -94,27 +93,33 @@ class PeerIO:
             what = PendingRecv(None, tensor, src, what).describe()
             raise AFDPeerError(f"lost {self._describe(src)} before receiving {what}: "
                                f"{first_line(e)}") from None
-        if self._replied:
-            replied, self._replied = self._replied, {}
-            for dst, (count, timeout_s) in replied.items():
-                self._settle(dst, timeout_s, count)
         return new_tuple(PendingRecv, (work, tensor, src, what))
+
+    def request(self, tensor: torch.Tensor, peer: int, tag: int, what: str | tuple) -> PendingRecv:
+        """``isend`` to ``peer``, then ``irecv`` of its reply, of the same shape and dtype, on the
+        same tag into a new tensor (the caller owns what it receives): an attention half's round
+        trip with one FFN rank, in one call on the path of every layer's. The send goes first:
+        the peer starts while this side allocates and posts."""
+        self.isend(tensor, peer, tag)
+        return self.irecv(torch.empty_like(tensor), peer, tag, what)
 
     def wait(self, pending: PendingRecv, timeout_s: float | None) -> torch.Tensor:
         """``timeout_s=None``: wait until the data or the connection's end (idle waits)."""
         work, tensor, src, _ = pending
-        # What the reply will prove taken, noted before the wait: after it, this is the path
-        # to this side's next send.
         sends = self._pending.get(src)
         if sends:
-            self._replied[src] = len(sends), 60.0 if timeout_s is None else timeout_s
+            proved = self._proved.get(src)
+            if proved:
+                self._settle(src, 60.0 if timeout_s is None else timeout_s, proved)
+            # What this reply will prove taken.
+            self._proved[src] = len(sends)
         try:
             if self.is_gloo:
                 work.wait(_timedeltas.get(timeout_s) or _seconds(timeout_s))
             else:
                 wait_device_work(work, timeout_s)
         except RuntimeError as e:
-            self._replied.pop(src, None)
+            self._proved.pop(src, None)
             where = self._describe(src)
             if is_timeout(e):
                 hint = (" -- or, under in-order matching, an operation posted earlier on this "
@@ -127,13 +132,18 @@ class PeerIO:
 
     def _settle(self, dst: int, timeout_s: float, count: int | None = None) -> None:
         """Wait for our sends to ``dst``: the first ``count`` (those a reply proved), or all."""
-        sends = self._pending.pop(dst, None)
+        sends = self._pending.get(dst)
         if not sends:
             return
-        if count is not None and count < len(sends):
-            sends, self._pending[dst] = sends[:count], sends[count:]
+        if count is None or count >= len(sends):
+            done = sends[:]
+            sends.clear()
+        else:
+            done = sends[:count]
+            del sends[:count]
+        self._proved.pop(dst, None)
         bound = (_timedeltas.get(timeout_s) or _seconds(timeout_s)) if self.is_gloo else None
-        for work, _ in sends:
+        for work, _ in done:
             try:
                 if bound is not None:
                     work.wait(bound)
@@ -148,7 +158,6 @@ class PeerIO:
 
     def flush(self, timeout_s: float) -> None:
         """Wait (bounded) until every peer took what we sent."""
-        self._replied.clear()
         for dst in list(self._pending):
             self._settle(dst, timeout_s)
 
