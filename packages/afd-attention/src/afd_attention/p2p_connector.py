@@ -76,8 +76,11 @@ class P2pAttentionConnector(AttentionConnector):
                                                           topk_ids, topk_weights))
         tag = self._tags[call]
         what = ("the FFN result of layer {} stage {}", *call)
+        # The results' tensor before any send, so that receives follow sends at once
+        # (PeerIO.request).
+        out = torch.empty_like(hidden_states)
         if not rows:
-            return self._pending(call, (torch.empty_like(hidden_states), ()))
+            return self._pending(call, (out, ()))
         sent = []
         start = 0
         for link in self._links:
@@ -91,7 +94,6 @@ class P2pAttentionConnector(AttentionConnector):
                                 topk_ids[sl] if topk_ids is not None else None,
                                 topk_weights[sl] if topk_weights is not None else None), dst, tag)
             sent.append((link.ffn_rank, dst, sl, n))
-        out = torch.empty_like(hidden_states)
         pending = []
         # Each reply's receive after the send to its FFN rank: on NCCL/HCCL a receive posted
         # first would hold back the send behind it (in-order matching per pair).
@@ -111,9 +113,9 @@ class P2pAttentionConnector(AttentionConnector):
             dst = self.topology.ffn_global_rank(f)
             net.data.isend(torch.tensor([n], dtype=torch.int64, device=hidden.device), dst, ctag)
             if n:
+                buf = hidden.new_empty(n, hidden.shape[1])
                 net.data.isend(pack(hidden.index_select(0, sel), topk_ids.index_select(0, sel),
                                     topk_weights.index_select(0, sel)), dst, tag)
-                buf = hidden.new_empty(n, hidden.shape[1])
                 parts.append((sel, net.data.irecv(buf, dst, tag, what)))
                 self._rec.routed(f, n)
         return rows, hidden, parts
