@@ -42,6 +42,26 @@ class Posted(NamedTuple):
     receives: tuple
 
 
+class Ready(NamedTuple):
+    """A one-source (layer, stage)'s answer, prepared while its rows were awaited (idle time on
+    the round trip's path): where its result goes, and the receive of the (layer, stage) the
+    loop serves next -- one source's rows into their buffer -- which goes out right after that
+    send (``PeerIO.send_then_post``)."""
+
+    layer_idx: int
+    stage: int
+    dst: int
+    tag: int
+    next_layer: int
+    next_stage: int
+    source: int  # the next rows' attention rank (local), their count and buffer
+    rows: int
+    buf: torch.Tensor
+    src: int  # its global rank
+    next_tag: int
+    what: tuple
+
+
 class P2pFFNConnector(ScheduledFFNConnector):
     protocol = PROTOCOL
     backend: str | None = None  # the configured one (open_p2p_world)
@@ -63,7 +83,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
 
     def _open(self):
         # Nothing posted on a world that is gone is waited on.
-        self._posted, self._frame_due = None, False
+        self._posted, self._ready, self._frame_due = None, None, False
         shape = self.shape
         self._buffers = ReceiveBuffers(shape.hidden_size, shape.dtype, shape.top_k, self._gate,
                                        self.device)
@@ -76,7 +96,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
         return super().recv_step()
 
     def _post_first(self):
-        self._kind = self._plan.kind
+        self._kind, self._ready = self._plan.kind, None
         if self._first_layer is not None and self._sources:
             self._posted = self._post(self._first_layer, 0, self._sources[0])
             # Between this and the step's first wait it would delay rows that are likely in
@@ -111,8 +131,10 @@ class P2pFFNConnector(ScheduledFFNConnector):
         meta = new_tuple(WorkItemMeta, (layer_idx, stage_idx, self._plan.step, sources, False,
                                         self._kind))
         if len(receives) == 1 and not self._gate:  # one source's rows, used where they land
-            pending = receives[0][2]
+            a, _, pending = receives[0]
             item = new_tuple(WorkItem, (pending.tensor, meta, None, None, None))
+            if not self._sharded:
+                self._ready = self._prepare(layer_idx, stage_idx, a)
             net.data.wait(pending, self.timeouts.current_s)
             return item
         shape = self.shape
@@ -186,6 +208,17 @@ class P2pFFNConnector(ScheduledFFNConnector):
             # One attention rank's rows, checked in one condition: this is the path from the
             # rows' arrival to the result's send, where each line costs (contract._check_send).
             a, n = sources[0]
+            ready = self._ready
+            if (n and ready is not None and ready.layer_idx == meta.layer_idx
+                    and ready.stage == meta.stage and self._posted is None):
+                self._ready = None
+                self._posted = new_tuple(Posted, (ready.next_layer, ready.next_stage, ((
+                    ready.source, ready.rows, self._net.data.send_then_post(
+                        output, ready.dst, ready.tag, ready.buf, ready.src, ready.next_tag,
+                        ready.what)),)))
+                if self._frame_due:
+                    self._post_frame()
+                return
             if n:
                 self._net.data.isend(output, self._global[a], self._tags[meta.layer_idx,
                                                                          meta.stage])
@@ -200,18 +233,48 @@ class P2pFFNConnector(ScheduledFFNConnector):
                     start += n
         self._post_next(meta.layer_idx, meta.stage)
 
+    def _next_of(self, layer_idx: int, stage_idx: int) -> tuple[int, int] | None:
+        """The (layer, stage) the loop serves after this one in the step, if any."""
+        stage = stage_idx + 1
+        if stage < len(self._sources):
+            return layer_idx, stage
+        layer_idx = self._next_layer.get(layer_idx)
+        return None if layer_idx is None else (layer_idx, 0)
+
+    def _prepare(self, layer_idx: int, stage_idx: int, source: int) -> Ready | None:
+        """This one-source (layer, stage)'s ``Ready``, if the next one has one source too."""
+        nxt = self._next_of(layer_idx, stage_idx)
+        if nxt is None:
+            return None
+        layer, stage = nxt
+        sources = self._sources[stage]
+        if len(sources) != 1 or not sources[0][1]:
+            return None
+        a, n = sources[0]
+        tags = self._tags
+        return new_tuple(Ready, (layer_idx, stage_idx, self._global[source],
+                                 tags[layer_idx, stage_idx], layer, stage, a, n,
+                                 self._buffers.message(stage, a, n), self._global[a],
+                                 tags[layer, stage],
+                                 ("hidden states of layer {} stage {}", layer, stage)))
+
     def _post_next(self, layer_idx: int, stage_idx: int) -> None:
         """Post the receives of the (layer, stage) the loop serves next in this step, if any."""
+        ready, self._ready = self._ready, None
         if self._posted is not None:
             return  # an item served twice: its successor is posted already
-        sources = self._sources
-        stage = stage_idx + 1
-        if stage < len(sources):
-            self._posted = self._post(layer_idx, stage, sources[stage])
+        if ready is not None and ready.layer_idx == layer_idx and ready.stage == stage_idx:
+            # Into the buffer the ring turned to for it (ReceiveBuffers).
+            self._posted = new_tuple(Posted, (ready.next_layer, ready.next_stage, ((
+                ready.source, ready.rows, self._net.data.irecv(
+                    ready.buf, ready.src, ready.next_tag, ready.what)),)))
         else:
-            layer_idx = self._next_layer.get(layer_idx)
-            if layer_idx is not None:
-                self._posted = self._post(layer_idx, 0, sources[0])
+            nxt = self._next_of(layer_idx, stage_idx)
+            if nxt is not None:
+                self._posted = self._post(*nxt, self._sources[nxt[1]])
         if self._frame_due:
-            self._frame_due = False
-            self._net.control.post_next()
+            self._post_frame()
+
+    def _post_frame(self) -> None:
+        self._frame_due = False
+        self._net.control.post_next()

@@ -78,33 +78,61 @@ class PeerIO:
         try:
             work = self.group.send([tensor], dst, tag)
         except RuntimeError as e:
-            raise AFDPeerError(f"send to {self._describe(dst)} failed: {first_line(e)}") from None
-        sends = self._pending.get(dst)
-        if sends is None:
-            self._pending[dst] = [(work, tensor)]
-        else:
-            sends.append((work, tensor))
+            raise self._send_failed(dst, e) from None
+        self._keep(dst, work, tensor)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str | tuple) -> PendingRecv:
         """Post a receive now (so the transport can land data early); wait for it later."""
         try:
             work = self.group.recv([tensor], src, tag)
         except RuntimeError as e:
-            what = PendingRecv(None, tensor, src, what).describe()
-            raise AFDPeerError(f"lost {self._describe(src)} before receiving {what}: "
-                               f"{first_line(e)}") from None
+            raise self._post_failed(src, tensor, what, e) from None
         return new_tuple(PendingRecv, (work, tensor, src, what))
 
+    def send_then_post(self, tensor: torch.Tensor, dst: int, tag: int, buf: torch.Tensor,
+                       src: int, recv_tag: int, what: str | tuple) -> PendingRecv:
+        """``isend`` then ``irecv``, with nothing done between the two calls. On the path of every
+        layer's round trip a receive posted even a few microseconds after the send before it
+        loses the race with the peer's answer more often, and Gloo then holds that answer back
+        for a notification round trip (measured: ``request``)."""
+        group = self.group
+        try:
+            work = group.send([tensor], dst, tag)
+        except RuntimeError as e:
+            raise self._send_failed(dst, e) from None
+        try:
+            posted = group.recv([buf], src, recv_tag)
+        except RuntimeError as e:
+            self._keep(dst, work, tensor)
+            raise self._post_failed(src, buf, what, e) from None
+        self._keep(dst, work, tensor)
+        return new_tuple(PendingRecv, (posted, buf, src, what))
+
     def request(self, tensor: torch.Tensor, peer: int, tag: int, what: str | tuple) -> PendingRecv:
-        """``isend`` to ``peer``, then ``irecv`` of its reply, of the same shape and dtype, on the
-        same tag into a new tensor (the caller owns what it receives): an attention half's round
-        trip with one FFN rank, in one call on the path of every layer's. The reply's tensor is
-        allocated before the send, so that its receive is posted right after the send returns:
-        measured side by side (six alternating runs of ``benchmarks/transport.py``), allocating
-        it between the two was slower at every size, by 0.14x of raw Gloo at 512 tokens."""
+        """Send ``tensor`` to ``peer`` and post the receive of its reply, of the same shape and
+        dtype, on the same tag into a new tensor (the caller owns what it receives): an
+        attention half's round trip with one FFN rank. The reply's tensor is allocated before
+        the send, so that its receive is posted right after the send returns: measured side by
+        side (six alternating runs of ``benchmarks/transport.py``), allocating it between the
+        two was slower at every size, by 0.14x of raw Gloo at 512 tokens."""
         out = torch.empty_like(tensor)
-        self.isend(tensor, peer, tag)
-        return self.irecv(out, peer, tag, what)
+        return self.send_then_post(tensor, peer, tag, out, peer, tag, what)
+
+    def _keep(self, dst: int, work, tensor: torch.Tensor) -> None:
+        """Hold a send until it is known done (the class docstring)."""
+        sends = self._pending.get(dst)
+        if sends is None:
+            self._pending[dst] = [(work, tensor)]
+        else:
+            sends.append((work, tensor))
+
+    def _send_failed(self, dst: int, e: RuntimeError) -> AFDPeerError:
+        return AFDPeerError(f"send to {self._describe(dst)} failed: {first_line(e)}")
+
+    def _post_failed(self, src: int, tensor, what, e: RuntimeError) -> AFDPeerError:
+        what = PendingRecv(None, tensor, src, what).describe()
+        return AFDPeerError(f"lost {self._describe(src)} before receiving {what}: "
+                            f"{first_line(e)}")
 
     def wait(self, pending: PendingRecv, timeout_s: float | None) -> torch.Tensor:
         """``timeout_s=None``: wait until the data or the connection's end (idle waits)."""
