@@ -78,12 +78,19 @@ def test_the_ffn_loop_must_serve_layers_and_stages_in_order(pair):
         f.recv_layer(1, 1)
 
 
-def test_receive_buffers_are_reused_two_layers_on(pair):
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "strided"])
+def test_receive_buffers_are_reused_two_layers_on(pair, contiguous):
     """The FFN half receives into two buffers per stage in turn (no allocation on the path from
     a result to the next receive): an item's rows stay intact until the result of its stage's
-    next layer is sent, and the same (layer, stage) of the next step lands in the same buffer
-    (from the third step: the second's first rows land in a buffer grown for max_num_tokens)."""
+    next layer is sent, and the same (layer, stage) of the next step lands in the same buffer.
+    Also when a result takes the general send path (strided), not the one prepared while its
+    rows were awaited."""
     a, f = pair
+
+    def result(item):
+        out = item.hidden_states + 1
+        return out if contiguous else out.t().contiguous().t()
+
     rows = (3, 2)
     seen = {}
     for step in range(3):
@@ -104,7 +111,7 @@ def test_receive_buffers_are_reused_two_layers_on(pair):
                 if step == 2:
                     assert ptr == seen[layer, stage], f"layer {layer} stage {stage}: new buffer"
                 seen[layer, stage] = ptr
-                f.send_ffn_output(item.hidden_states + 1, item)
+                f.send_ffn_output(result(item), item)
             for x, p in pending:
                 assert torch.equal(a.recv_ffn_output(p), x + 1)
         a.end_step()
