@@ -161,11 +161,12 @@ class _RecordingIO:
     def __init__(self):
         self.calls = []
 
-    def request(self, tensor, peer, tag, what):
+    def send_then_post(self, tensor, dst, tag, buf, src, recv_tag, what):
         from afd_common.transport.peer_io import PendingRecv
 
-        self.calls.append(("request", tuple(tensor.shape), tensor.is_contiguous(), tag))
-        return PendingRecv(None, torch.full_like(tensor, 7.0), peer, what)
+        self.calls.append(("send_then_post", tuple(tensor.shape), tensor.is_contiguous(), tag))
+        assert (src, recv_tag, buf.shape) == (dst, tag, tensor.shape)
+        return PendingRecv(None, buf.fill_(7.0), src, what)
 
     def isend(self, tensor, dst, tag):
         self.calls.append(("isend", tuple(tensor.shape), tensor.is_contiguous(), tag))
@@ -216,7 +217,7 @@ def test_one_ffn_rank_path_refuses_what_the_checks_one_by_one_refuse():
     strided = torch.zeros(16, 3).t()
     assert torch.equal(conn.recv_ffn_output(conn.send_attn_output(strided, LayerCall(2))),
                        torch.full((3, 16), 7.0))
-    assert io.calls == [("request", (3, 16), True, data_tag(1, 0)),
+    assert io.calls == [("send_then_post", (3, 16), True, data_tag(1, 0)),
                         ("isend", (3, 16), True, data_tag(2, 0))]
     conn.end_step()
     assert conn._rec.routed_rows[0] == routed + 6  # both paths' rows reach the metrics

@@ -94,7 +94,7 @@ class PeerIO:
         """``isend`` then ``irecv``, with nothing done between the two calls. On the path of every
         layer's round trip a receive posted even a few microseconds after the send before it
         loses the race with the peer's answer more often, and Gloo then holds that answer back
-        for a notification round trip (measured: ``request``)."""
+        for a notification round trip (measured: ``afd_attention.p2p_connector``)."""
         group = self.group
         try:
             work = group.send([tensor], dst, tag)
@@ -107,16 +107,6 @@ class PeerIO:
             raise self._post_failed(src, buf, what, e) from None
         self._keep(dst, work, tensor)
         return new_tuple(PendingRecv, (posted, buf, src, what))
-
-    def request(self, tensor: torch.Tensor, peer: int, tag: int, what: str | tuple) -> PendingRecv:
-        """Send ``tensor`` to ``peer`` and post the receive of its reply, of the same shape and
-        dtype, on the same tag into a new tensor (the caller owns what it receives): an
-        attention half's round trip with one FFN rank. The reply's tensor is allocated before
-        the send, so that its receive is posted right after the send returns: measured side by
-        side (six alternating runs of ``benchmarks/transport.py``), allocating it between the
-        two was slower at every size, by 0.14x of raw Gloo at 512 tokens."""
-        out = torch.empty_like(tensor)
-        return self.send_then_post(tensor, peer, tag, out, peer, tag, what)
 
     def _keep(self, dst: int, work, tensor: torch.Tensor) -> None:
         """Hold a send until it is known done (the class docstring)."""
