@@ -130,3 +130,21 @@ def test_a_step_above_max_num_tokens_is_refused_before_anything_is_sent(pair):
     assert not a._net.data._pending and not a._net.control.io._pending
     a.begin_step(StepMetadata(0, StepKind.RUN, (1, 1)))
     f.recv_step()
+
+
+def test_a_result_of_the_wrong_shape_or_dtype_is_refused_before_it_is_sent(pair):
+    """The FFN half checks a result against its item (in one condition on the prepared path,
+    one by one otherwise) and sends nothing wrong; the right result then goes as usual."""
+    a, f = pair
+    a.begin_step(StepMetadata(0, StepKind.RUN, (3, 2)))
+    f.recv_step()
+    x = torch.randn(3, H)
+    pending = a.send_attn_output(x, LayerCall(1, 0))
+    item = f.recv_layer(0, 1)
+    for bad, needle in ((torch.zeros(2, H), r"shape \(2, 8\)"),
+                        (torch.zeros(3, H + 1), r"shape \(3, 9\)"),
+                        (torch.zeros(3, H, dtype=torch.float64), "torch.float64")):
+        with pytest.raises(ValueError, match=needle):
+            f.send_ffn_output(bad, item)
+    f.send_ffn_output(item.hidden_states * 3, item)
+    assert torch.equal(a.recv_ffn_output(pending), x * 3)

@@ -43,23 +43,31 @@ class Posted(NamedTuple):
 
 
 class Ready(NamedTuple):
-    """A one-source (layer, stage)'s answer, prepared while its rows were awaited (idle time on
-    the round trip's path): where its result goes, and the receive of the (layer, stage) the
-    loop serves next -- one source's rows into their buffer -- which goes out right after that
-    send (``PeerIO.send_then_post``)."""
+    """A one-source item's answer, prepared while its rows were awaited (idle time on the round
+    trip's path): the result's expected shape, where it goes, and the receive of the (layer,
+    stage) the loop serves next -- one source's rows into their buffer, posted right after that
+    send (``PeerIO.send_then_post``) -- or None where the step has no next."""
 
-    layer_idx: int
-    stage: int
+    meta: WorkItemMeta  # the item's, by identity
+    shape: tuple[int, int]
     dst: int
     tag: int
-    next_layer: int
-    next_stage: int
-    source: int  # the next rows' attention rank (local), their count and buffer
+    next: NextRows | None
+
+
+class NextRows(NamedTuple):
+    layer_idx: int
+    stage: int
+    source: int  # attention rank (local)
     rows: int
     buf: torch.Tensor
     src: int  # its global rank
-    next_tag: int
+    tag: int
     what: tuple
+
+
+def _posted(nxt: NextRows, pending) -> Posted:
+    return new_tuple(Posted, (nxt.layer_idx, nxt.stage, ((nxt.source, nxt.rows, pending),)))
 
 
 class P2pFFNConnector(ScheduledFFNConnector):
@@ -131,10 +139,10 @@ class P2pFFNConnector(ScheduledFFNConnector):
         meta = new_tuple(WorkItemMeta, (layer_idx, stage_idx, self._plan.step, sources, False,
                                         self._kind))
         if len(receives) == 1 and not self._gate:  # one source's rows, used where they land
-            a, _, pending = receives[0]
+            a, n, pending = receives[0]
             item = new_tuple(WorkItem, (pending.tensor, meta, None, None, None))
             if not self._sharded:
-                self._ready = self._prepare(layer_idx, stage_idx, a)
+                self._ready = self._prepare(meta, a, n)
             net.data.wait(pending, self.timeouts.current_s)
             return item
         shape = self.shape
@@ -201,36 +209,30 @@ class P2pFFNConnector(ScheduledFFNConnector):
 
     def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
         meta = item.meta
-        sources = meta.sources
-        if (len(sources) == 1 and output.shape == (sources[0][1], self._hidden_size)
+        ready = self._ready
+        if (ready is not None and ready.meta is meta and output.shape == ready.shape
                 and output.dtype == self._dtype and output.is_contiguous()
-                and self._net is not None):
-            # One attention rank's rows, checked in one condition: this is the path from the
-            # rows' arrival to the result's send, where each line costs (contract._check_send).
-            a, n = sources[0]
-            ready = self._ready
-            if (n and ready is not None and ready.layer_idx == meta.layer_idx
-                    and ready.stage == meta.stage and self._posted is None):
-                self._ready = None
-                self._posted = new_tuple(Posted, (ready.next_layer, ready.next_stage, ((
-                    ready.source, ready.rows, self._net.data.send_then_post(
-                        output, ready.dst, ready.tag, ready.buf, ready.src, ready.next_tag,
-                        ready.what)),)))
-                if self._frame_due:
-                    self._post_frame()
-                return
+                and self._posted is None and self._net is not None):
+            # As prepared, checked in one condition: this is the path from the rows' arrival
+            # to the result's send, where each line costs (contract._check_send).
+            self._ready = None
+            nxt = ready.next
+            if nxt is None:
+                self._net.data.isend(output, ready.dst, ready.tag)
+            else:
+                self._posted = _posted(nxt, self._net.data.send_then_post(
+                    output, ready.dst, ready.tag, nxt.buf, nxt.src, nxt.tag, nxt.what))
+            if self._frame_due:
+                self._post_frame()
+            return
+        self._check_output(output, meta.num_tokens)
+        data, tag = self._net.data, self._tags[meta.layer_idx, meta.stage]
+        output = output.contiguous()
+        start = 0
+        for a, n in meta.sources:
             if n:
-                self._net.data.isend(output, self._global[a], self._tags[meta.layer_idx,
-                                                                         meta.stage])
-        else:
-            self._check_output(output, meta.num_tokens)
-            data, tag = self._net.data, self._tags[meta.layer_idx, meta.stage]
-            output = output.contiguous()
-            start = 0
-            for a, n in sources:
-                if n:
-                    data.isend(output[start:start + n], self._global[a], tag)
-                    start += n
+                data.isend(output[start:start + n], self._global[a], tag)
+                start += n
         self._post_next(meta.layer_idx, meta.stage)
 
     def _next_of(self, layer_idx: int, stage_idx: int) -> tuple[int, int] | None:
@@ -241,33 +243,33 @@ class P2pFFNConnector(ScheduledFFNConnector):
         layer_idx = self._next_layer.get(layer_idx)
         return None if layer_idx is None else (layer_idx, 0)
 
-    def _prepare(self, layer_idx: int, stage_idx: int, source: int) -> Ready | None:
-        """This one-source (layer, stage)'s ``Ready``, if the next one has one source too."""
-        nxt = self._next_of(layer_idx, stage_idx)
-        if nxt is None:
-            return None
-        layer, stage = nxt
-        sources = self._sources[stage]
-        if len(sources) != 1 or not sources[0][1]:
-            return None
-        a, n = sources[0]
+    def _prepare(self, meta: WorkItemMeta, source: int, rows: int) -> Ready | None:
+        """A one-source item's ``Ready``, unless the next (layer, stage) has several sources or
+        none with rows (those take the general path)."""
+        layer, stage = meta.layer_idx, meta.stage
         tags = self._tags
-        return new_tuple(Ready, (layer_idx, stage_idx, self._global[source],
-                                 tags[layer_idx, stage_idx], layer, stage, a, n,
-                                 self._buffers.message(stage, a, n), self._global[a],
-                                 tags[layer, stage],
-                                 ("hidden states of layer {} stage {}", layer, stage)))
+        nxt = self._next_of(layer, stage)
+        if nxt is not None:
+            sources = self._sources[nxt[1]]
+            if len(sources) != 1 or not sources[0][1]:
+                return None
+            a, n = sources[0]
+            nxt = new_tuple(NextRows, (*nxt, a, n, self._buffers.message(nxt[1], a, n),
+                                       self._global[a], tags[nxt],
+                                       ("hidden states of layer {} stage {}", *nxt)))
+        return new_tuple(Ready, (meta, (rows, self._hidden_size), self._global[source],
+                                 tags[layer, stage], nxt))
 
     def _post_next(self, layer_idx: int, stage_idx: int) -> None:
         """Post the receives of the (layer, stage) the loop serves next in this step, if any."""
         ready, self._ready = self._ready, None
         if self._posted is not None:
             return  # an item served twice: its successor is posted already
-        if ready is not None and ready.layer_idx == layer_idx and ready.stage == stage_idx:
-            # Into the buffer the ring turned to for it (ReceiveBuffers).
-            self._posted = new_tuple(Posted, (ready.next_layer, ready.next_stage, ((
-                ready.source, ready.rows, self._net.data.irecv(
-                    ready.buf, ready.src, ready.next_tag, ready.what)),)))
+        if ready is not None and ready.meta[:2] == (layer_idx, stage_idx):
+            nxt = ready.next  # into the buffer the ring turned to for it (ReceiveBuffers)
+            if nxt is not None:
+                self._posted = _posted(nxt, self._net.data.irecv(nxt.buf, nxt.src, nxt.tag,
+                                                                 nxt.what))
         else:
             nxt = self._next_of(layer_idx, stage_idx)
             if nxt is not None:
