@@ -9,9 +9,11 @@ message layout and the order on a link: ``afd_common.transport.p2p``.
 Each (layer, stage)'s receives are posted as soon as the previous result is sent (the first
 one's when the step's plan arrives), not when the loop asks for them: Gloo holds back a send whose
 receive is not posted yet and moves the data only after a second notification round trip, so a
-receive posted late costs a round trip per layer. The order of operations on every link stays
-the one ``p2p`` lists (it is only earlier in time), so in-order transports (NCCL, HCCL) are as
-safe as before.
+receive posted late costs a round trip per layer. Where one source sends each (layer, stage),
+everything that send and that post need is prepared while the rows are awaited (``Ready``), and
+the post goes out in the same call as the send (``PeerIO.send_then_post``): the peer's next rows
+race with it. The order of operations on every link stays the one ``p2p`` lists (it is only
+earlier in time), so in-order transports (NCCL, HCCL) are as safe as before.
 
 The next step's first receive waits for its plan. Posting it earlier on Gloo (when a step's last
 result goes out, sized by max_num_tokens, Gloo taking a shorter message into a longer receive)
