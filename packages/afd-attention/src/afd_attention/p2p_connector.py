@@ -17,8 +17,7 @@ from afd_common import metrics
 from afd_common.transport.p2p import (PROTOCOL, DataTags, count_tag, data_tag, open_p2p_world,
                                       pack)
 from afd_common.transport.peer_io import PendingRecv
-from afd_common.contract import AttentionConnector, PendingResult
-from afd_common.metadata import MAX_STAGES, new_tuple
+from afd_common.contract import AttentionConnector
 
 
 class P2pAttentionConnector(AttentionConnector):
@@ -36,12 +35,9 @@ class P2pAttentionConnector(AttentionConnector):
         self._one_dst = self.topology.ffn_global_rank(self._one_link) if one else None
         self._rec = metrics.recorder("attention", self.config.connector)
         self._tags = DataTags()
-        # The one-FFN-rank path's table: call -> (tag, what a failed wait names), for calls of
-        # MoE layers only, and its rows sent since the last end_step (metrics, counted there).
-        self._one_calls = _OneLinkCalls(self._moe_set if one else ())
+        # Rows sent to that one FFN rank since the last end_step (metrics, counted there).
         self._one_rows = 0
-        self._dtype = self.shape.dtype
-        # That path's next result tensor, allocated while the previous result is awaited: off the
+        # The one-FFN-rank path's next result tensor, allocated while the previous result is awaited: off the
         # path from a result to the next send, and the reply's receive follows its send at once
         # (PeerIO.send_then_post). Allocating it between the two measured slower at every size
         # (six alternating runs of benchmarks/transport.py: by 0.14x of raw Gloo at 512
@@ -59,29 +55,21 @@ class P2pAttentionConnector(AttentionConnector):
             self._one_rows = 0
 
     def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None):
-        # Every row to one FFN rank, without routing: checked in one condition against the
-        # table and what begin_step prepared (contract._check_send), on the path from one
-        # layer's result to the next send, where each line costs; the one receive is the state.
-        # Any other call is checked one by one and takes the general path below.
-        route = self._one_calls[call]
-        if route is not None and topk_ids is None and topk_weights is None:
-            inflight, expect, stage = self._inflight, self._expect, call[1]
-            net = self._net
-            if (stage < len(expect) and call not in inflight
-                    and hidden_states.shape == expect[stage][0]
-                    and hidden_states.dtype == self._dtype and hidden_states.is_contiguous()
-                    and net is not None and expect[stage][0][0]):
-                tag, what = route
-                out = self._spare
-                if out is None or out.shape != hidden_states.shape:
-                    out = torch.empty_like(hidden_states)
-                self._spare = None
-                dst = self._one_dst
-                pending = net.data.send_then_post(hidden_states, dst, tag, out, dst, tag, what)
-                self._one_rows += expect[stage][0][0]
-                inflight.add(call)
-                return new_tuple(PendingResult, (call, pending))
         rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
+        dst = self._one_dst
+        if dst is not None and rows and hidden_states.is_contiguous():
+            # Every row to one FFN rank (the routing, if any, is computed there): the one
+            # receive is the state.
+            out = self._spare
+            if out is None or out.shape != hidden_states.shape:
+                out = torch.empty_like(hidden_states)
+            self._spare = None
+            tag = self._tags[call]
+            pending = self._net.data.send_then_post(
+                hidden_states, dst, tag, out, dst, tag, ("the FFN result of layer {} stage {}",
+                                                         *call))
+            self._one_rows += rows
+            return self._pending(call, pending)
         net = self._net
         if self.topology.sharded:
             return self._pending(call, self._send_sharded(net, call, rows, hidden_states,
@@ -133,16 +121,13 @@ class P2pAttentionConnector(AttentionConnector):
         return rows, hidden, parts
 
     def recv_ffn_output(self, pending) -> torch.Tensor:
-        call, state = pending
-        if type(state) is PendingRecv:  # one FFN rank's reply: the result
-            inflight, net = self._inflight, self._net
-            if call in inflight and net is not None:
-                inflight.discard(call)
-                self._spare = torch.empty_like(state.tensor)
-                return net.data.wait(state, self.timeouts.current_s)
         state = self._take(pending)
         net = self._net
         timeout = self.timeouts.current_s
+        if type(state) is PendingRecv:  # one FFN rank's reply: the result
+            # The next call's result tensor, while this one's is awaited (``_spare``).
+            self._spare = torch.empty_like(state.tensor)
+            return net.data.wait(state, timeout)
         if self.topology.sharded:
             rows, like, parts = state
             out = like.new_zeros(rows, like.shape[1])
@@ -154,19 +139,3 @@ class P2pAttentionConnector(AttentionConnector):
             net.data.wait(p, timeout)
         return out
 
-
-class _OneLinkCalls(dict):
-    """call -> (tag, what a failed wait names) for the calls a step may make (MoE layers,
-    stages in range), each made once; None for any other (checked, and refused, one by one)."""
-
-    def __init__(self, moe_layers):
-        super().__init__()
-        self._moe = moe_layers
-
-    def __missing__(self, call):
-        layer, stage = call
-        if layer not in self._moe or not 0 <= stage < MAX_STAGES:
-            return None
-        route = self[call] = (data_tag(layer, stage),
-                              ("the FFN result of layer {} stage {}", layer, stage))
-        return route

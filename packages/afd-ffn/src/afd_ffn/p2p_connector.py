@@ -181,18 +181,25 @@ class P2pFFNConnector(ScheduledFFNConnector):
 
     def _post_rows(self, layer_idx: int, stage_idx: int, sources) -> Posted:
         """Post the receives of (layer, stage): the rows of each source that has any."""
-        data, buffers, tag = self._net.data, self._buffers, self._tags[layer_idx, stage_idx]
-        what = ("hidden states of layer {} stage {}", layer_idx, stage_idx)
+        data = self._net.data
         if len(sources) == 1:  # one source: no list to build, once per layer and stage
             a, n = sources[0]
             return new_tuple(Posted, (layer_idx, stage_idx, ((a, n, data.irecv(
-                buffers.message(stage_idx, a, n), self._global[a], tag, what)),) if n else ()))
+                *self._rows_receive(layer_idx, stage_idx, a, n))),) if n else ()))
         posted = []
         for a, n in sources:
             if n:
-                posted.append((a, n, data.irecv(buffers.message(stage_idx, a, n),
-                                                 self._global[a], tag, what)))
+                posted.append((a, n, data.irecv(*self._rows_receive(layer_idx, stage_idx, a,
+                                                                     n))))
         return new_tuple(Posted, (layer_idx, stage_idx, tuple(posted)))
+
+    def _rows_receive(self, layer_idx: int, stage_idx: int, source: int, rows: int) -> tuple:
+        """``PeerIO.irecv``'s arguments for ``rows`` rows of (layer, stage) from ``source``:
+        the ring's next buffer (ReceiveBuffers), the global rank, the tag, what an error
+        names."""
+        return (self._buffers.message(stage_idx, source, rows), self._global[source],
+                self._tags[layer_idx, stage_idx],
+                ("hidden states of layer {} stage {}", layer_idx, stage_idx))
 
     def _post_routed(self, counts, layer_idx: int, stage_idx: int):
         """(attention rank, rows routed here) for this layer, each checked against the rows that
@@ -249,18 +256,15 @@ class P2pFFNConnector(ScheduledFFNConnector):
         """A one-source item's ``Ready``, unless the next (layer, stage) has several sources or
         none with rows (those take the general path)."""
         layer, stage = meta.layer_idx, meta.stage
-        tags = self._tags
         nxt = self._next_of(layer, stage)
         if nxt is not None:
             sources = self._sources[nxt[1]]
             if len(sources) != 1 or not sources[0][1]:
                 return None
             a, n = sources[0]
-            nxt = new_tuple(NextRows, (*nxt, a, n, self._buffers.message(nxt[1], a, n),
-                                       self._global[a], tags[nxt],
-                                       ("hidden states of layer {} stage {}", *nxt)))
+            nxt = new_tuple(NextRows, (*nxt, a, n, *self._rows_receive(*nxt, a, n)))
         return new_tuple(Ready, (meta, (rows, self._hidden_size), self._global[source],
-                                 tags[layer, stage], nxt))
+                                 self._tags[layer, stage], nxt))
 
     def _post_next(self, layer_idx: int, stage_idx: int) -> None:
         """Post the receives of the (layer, stage) the loop serves next in this step, if any."""
