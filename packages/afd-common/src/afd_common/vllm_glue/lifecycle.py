@@ -15,11 +15,18 @@ what must happen is server-wide:
   of a step is not ended from outside: the step's own receive raises, with the same outcome.
 
 The reason is logged first, so it is what an operator reads last.
+
+Every AFD process also ends without the interpreter's last garbage collections
+(``exit_without_final_collection``, ``inherit_quick_exit``). A role's processes stop one after
+another (worker, engine core, API server), and each spent 2.5-2.8 s of CPU there, for memory the
+operating system frees anyway: a refused attention role took 8 s to go on an idle machine and
+34 s with six other busy sessions on two cores; now 2 s and 6 s.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import signal
@@ -36,11 +43,14 @@ FAILED_SIGNAL = signal.SIGUSR1
 #: Exit status of a ``vllm serve`` role whose AFD peer was lost.
 FAILED_EXIT_CODE = 3
 STOP_RETRY_S = 5.0
+#: Set by an AFD server's root: its processes end without the final garbage collections.
+QUICK_EXIT_ENV = "AFD_QUICK_EXIT"
 
 _lock = threading.Lock()
 _failed = False
 _root_failed = False
 _root_installed = False
+_exit_hook_installed = False
 
 
 def _root_pid() -> int:
@@ -75,6 +85,31 @@ def exit_worker() -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(FAILED_EXIT_CODE)
+
+
+def exit_without_final_collection() -> None:
+    """In an AFD server's root (the config hook): this process and every vLLM process it starts
+    (they inherit the environment) end without the final collections."""
+    os.environ[QUICK_EXIT_ENV] = "1"
+    _freeze_at_exit()
+
+
+def inherit_quick_exit() -> None:
+    """In every vLLM process (the plugin's ``register``): a process an AFD server started ends
+    without the final collections too."""
+    if os.environ.get(QUICK_EXIT_ENV):
+        _freeze_at_exit()
+
+
+def _freeze_at_exit() -> None:
+    # After the atexit handlers registered from now on (vLLM's shutdown among them), freeze the
+    # heap: the interpreter's final collections skip frozen objects. Nothing afd or vLLM holds is
+    # released by a collection at exit alone: sockets and memory go with the process, shared
+    # memory with vLLM's own handlers and the resource tracker.
+    global _exit_hook_installed
+    if not _exit_hook_installed:
+        _exit_hook_installed = True
+        atexit.register(gc.freeze)
 
 
 def install_root_failure_handler() -> None:

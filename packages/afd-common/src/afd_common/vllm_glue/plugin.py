@@ -8,7 +8,7 @@ if afd were not installed. Role-specific patches are installed by the role's wor
 
 from __future__ import annotations
 
-from afd_common.vllm_glue import server_root
+from afd_common.vllm_glue import lifecycle, server_root
 from afd_common.vllm_glue.patching import PatchSet
 
 _installed: list[PatchSet] = []
@@ -16,6 +16,7 @@ _installed: list[PatchSet] = []
 
 def register() -> None:
     server_root.mark()
+    lifecycle.inherit_quick_exit()
     if _installed:
         return
     from afd_common import redaction

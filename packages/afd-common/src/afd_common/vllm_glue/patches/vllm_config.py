@@ -72,6 +72,7 @@ def before(vllm_config, afd: AFDConfig) -> None:
     # Our runners extend vLLM's V1 model runner.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     lifecycle.install_root_failure_handler()
+    lifecycle.exit_without_final_collection()
     plugin.on_vllm_config(vllm_config, afd)  # the role's own (e.g. async DP's engine patch)
 
 
