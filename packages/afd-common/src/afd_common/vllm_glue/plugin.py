@@ -1,9 +1,10 @@
 """vLLM general-plugin entry point (``vllm.general_plugins``: ``afd``).
 
 vLLM calls ``register()`` once in every process it starts (API server, engine core, workers; CPU
-spawns, so nothing is inherited). It installs afd_common's patch sets, which act only on configs
-that carry an ``afd`` section: a vLLM without ``--additional-config '{"afd": ...}'`` behaves as
-if afd were not installed. Role-specific patches are installed by the role's worker.
+spawns: only the environment is inherited). It installs afd_common's patch sets, which act only on
+configs that carry an ``afd`` section: a vLLM without ``--additional-config '{"afd": ...}'``
+behaves as if afd were not installed. Role-specific patches are installed by the role's worker. A
+process an AFD server started also ends the way its root does (``lifecycle.inherit_quick_exit``).
 """
 
 from __future__ import annotations
