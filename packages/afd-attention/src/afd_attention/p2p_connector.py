@@ -37,10 +37,10 @@ class P2pAttentionConnector(AttentionConnector):
         self._tags = DataTags()
         # Rows sent to that one FFN rank since the last end_step (metrics, counted there).
         self._one_rows = 0
-        # The one-FFN-rank path's next result tensor, allocated while the previous result is awaited: off the
-        # path from a result to the next send, and the reply's receive follows its send at once
-        # (PeerIO.send_then_post). Allocating it between the two measured slower at every size
-        # (six alternating runs of benchmarks/transport.py: by 0.14x of raw Gloo at 512
+        # The one-FFN-rank path's next result tensor, allocated while the previous result is
+        # awaited: off the path from a result to the next send, and the reply's receive follows its
+        # send at once (PeerIO.send_then_post). Allocating it between the two measured slower at
+        # every size (six alternating runs of benchmarks/transport.py: by 0.14x of raw Gloo at 512
         # tokens); allocating it before the send put 5 us on that path (--breakdown).
         self._spare: torch.Tensor | None = None
 
@@ -138,4 +138,3 @@ class P2pAttentionConnector(AttentionConnector):
         for p in pending:
             net.data.wait(p, timeout)
         return out
-

@@ -156,12 +156,10 @@ class PeerIO:
         sends = self._pending.get(dst)
         if not sends:
             return
-        if count is None or count >= len(sends):
-            done = sends[:]
-            sends.clear()
-        else:
-            done = sends[:count]
-            del sends[:count]
+        # In place: ``wait`` reads what is left through the same list.
+        n = len(sends) if count is None else count
+        done = sends[:n]
+        del sends[:n]
         self._proved.pop(dst, None)
         bound = (_timedeltas.get(timeout_s) or _seconds(timeout_s)) if self.is_gloo else None
         for work, _ in done:
