@@ -17,9 +17,9 @@ def test_transport_benchmark_round_trips_and_prints_the_ratio_per_size():
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     # T, connector ms, raw ms, ratio, steady, served and bare ratios, first layer us
-    # connector/raw
-    rows = re.findall(r"^\s+(\d+)" + r"\s+([\d.]+)" * 6 + r"\s+(\d+)/(\d+)\s*$", out.stdout,
-                      re.M)
+    # connector/raw back to back and served
+    rows = re.findall(r"^\s+(\d+)" + r"\s+([\d.]+)" * 6 + r"\s+(\d+)/(\d+)" * 2 + r"\s*$",
+                      out.stdout, re.M)
     assert [int(r[0]) for r in rows] == [1, 16], out.stdout
     assert all(float(v) > 0 for r in rows for v in r[1:]), out.stdout
     assert "worst ratio" in out.stdout
