@@ -22,6 +22,11 @@ bookkeeping, the FFN side's receive buffers reused and the attention side's resu
 call (the model owns what a connector returns). It says how much of the connector's extra is
 Python as such.
 
+Each side's main thread's CPU per layer (``time.thread_time``) is printed for the connector and
+the bare loop (not with ``--breakdown``, whose timing wrapper runs in the connector's loop only):
+the connector's Python as it runs here, cold after every wait, which is what the round trip
+pays; ``--cpu`` times the same Python hot.
+
 Each step of the connector is paired with the raw round trips right after it, and the ratio is
 the median of those per-pair ratios: on a shared 2-core VM both drift together by 2-10x between
 seconds (another process's burst, a vCPU descheduled), and a ratio of two separate medians would
@@ -255,6 +260,11 @@ def cpu_per_layer(tokens: int, layers: int = 64, steps: int = 400) -> dict:
         f.close()
 
 
+def cpu_per_layer_us(pairs, layers: int) -> tuple[float, float]:
+    """Median (connector, bare) of per-step main-thread CPU (ns) pairs, per layer in us."""
+    return tuple(statistics.median(p[i] for p in pairs) / layers / 1e3 for i in (0, 1))
+
+
 def print_cpu(args) -> None:
     print("Python per layer, hot, no byte moved (median us): each half of the connector, the "
           "bare loop's, and the difference")
@@ -281,9 +291,11 @@ def ffn_main(args, ports, q) -> None:
     conn = resolve_connector("P2pAFDConnector", "ffn")(config("ffn", ports[0]), 0,
                                                         shape(args.layers))
     raw = bare_group = raw_group(1, ports[1])
+    cpu: dict[int, list] = {}  # tokens -> (connector, bare) main-thread CPU per step, ns
     with conn:
         logs, raw = timed(conn, raw, args)
         while True:
+            start = time.thread_time_ns()
             plan = conn.recv_step()
             if plan.kind == StepKind.STOP:
                 break
@@ -294,6 +306,7 @@ def ffn_main(args, ports, q) -> None:
                 item = conn.recv_layer(0, layer)
                 conn.send_ffn_output(item.hidden_states, item)
             conn.end_step()
+            connector = time.thread_time_ns() - start
             # The same number of raw round trips, right after.
             t = plan.per_source[0].stage_tokens[0]
             bufs = [torch.empty(t, H, dtype=torch.bfloat16) for _ in range(2)]
@@ -309,12 +322,14 @@ def ffn_main(args, ports, q) -> None:
             if served:
                 continue
             # And the bare loop's (not timed by --breakdown).
+            start = time.thread_time_ns()
             bare = BareFFN(bare_group, t)
             bare.post(0)
             for layer in range(args.layers):
                 bare.send_ffn_output(bare.recv_layer(), layer, layer + 1 == args.layers)
             bare.finish()
-    q.put(("ffn", logs))
+            cpu.setdefault(t, []).append((connector, time.thread_time_ns() - start))
+    q.put(("ffn", (logs, {t: v[WARMUP:] for t, v in cpu.items()})))
 
 
 def is_served(step: int) -> bool:
@@ -400,9 +415,10 @@ def attention_main(args, ports, q) -> None:
         for t in args.tokens:
             x = torch.randn(t, H).to(torch.bfloat16)
             back = torch.empty_like(x)
-            stamps = []
+            stamps, cpu = [], []
             for rep in range(WARMUP + args.reps):
                 # Each loop's time at its start, after its first layer, at its end.
+                cpu_start = time.thread_time_ns()
                 now = [time.perf_counter()]
                 conn.begin_step(StepMetadata(step, StepKind.RUN, (t,)))
                 for layer in range(args.layers):
@@ -411,6 +427,7 @@ def attention_main(args, ports, q) -> None:
                         now.append(time.perf_counter())
                 conn.end_step()
                 now.append(time.perf_counter())
+                connector_cpu = time.thread_time_ns() - cpu_start
                 for layer in range(args.layers):
                     send = raw.send([x], 1, 0)
                     raw.recv([back], 1, 0).wait()
@@ -418,9 +435,11 @@ def attention_main(args, ports, q) -> None:
                     if layer == 0:
                         now.append(time.perf_counter())
                 now.append(time.perf_counter())
+                cpu_start = time.thread_time_ns()
                 for _ in range(args.layers):
                     z = bare.recv_ffn_output(bare.send_attn_output(x))
                 now.append(time.perf_counter())
+                cpu.append((connector_cpu, time.thread_time_ns() - cpu_start))
                 step += 2  # even: followed by the raw and the bare loop (ffn_main)
                 if rep >= WARMUP:
                     stamps.append(now)
@@ -432,6 +451,7 @@ def attention_main(args, ports, q) -> None:
                     served.append(pair)
             assert torch.equal(y, x) and torch.equal(back, x) and torch.equal(z, x)
             results[t] = summary(stamps, served, args.layers)
+            results[t]["cpu"] = cpu[WARMUP:]
     q.put(("attention", (results, logs)))
 
 
@@ -481,6 +501,7 @@ def main(argv=None) -> int:
     for p in procs:
         p.join(60)
     results, attention_logs = got["attention"]
+    ffn_logs, ffn_cpu = got["ffn"]
     print(f"P2pAFDConnector vs raw torch.distributed (Gloo, 127.0.0.1), H={H}, bf16, "
           f"median per-layer round trip and median paired ratio over {args.reps} steps of "
           f"{args.layers} layers")
@@ -493,8 +514,15 @@ def main(argv=None) -> int:
               f"{r['served_first'] * 1e6:>5.0f}/{r['raw_served_first'] * 1e6:<5.0f}")
     worst = max(r["connector_ratio"] for r in results.values())
     print(f"worst ratio {worst:.2f} (target <= 1.10)")
-    if args.breakdown:
-        print_breakdown(args, attention_logs, got["ffn"])
+    if args.breakdown:  # its timing wrapper runs in the connector's loop, not the bare one's
+        print_breakdown(args, attention_logs, ffn_logs)
+        return 0
+    print("\nmain thread's CPU per layer, median us: connector / bare loop, each side (the "
+          "Python cold after every wait, unlike --cpu)")
+    print(f"{'T':>5} {'attention':>15} {'FFN':>15}")
+    for t, r in results.items():
+        a, f = (cpu_per_layer_us(v, args.layers) for v in (r["cpu"], ffn_cpu[t]))
+        print(f"{t:>5} {a[0]:>7.1f} / {a[1]:<5.1f} {f[0]:>7.1f} / {f[1]:<5.1f}")
     return 0
 
 

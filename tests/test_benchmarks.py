@@ -32,6 +32,18 @@ def test_transport_benchmark_round_trips_and_prints_the_ratio_per_size():
     assert len(legs) == 2 * 6, out.stdout
 
 
+def test_transport_benchmark_prints_each_sides_cpu_per_layer_without_breakdown():
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "transport.py"), "--layers", "2",
+                          "--reps", "2", "--tokens", "1", "16"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # T, then connector / bare loop for the attention side and for the FFN side
+    cpu = re.findall(r"^\s+(\d+)" + r"\s+([\d.]+) / ([\d.]+)" * 2 + r"\s*$", out.stdout, re.M)
+    assert [int(r[0]) for r in cpu] == [1, 16], out.stdout
+    assert all(float(v) > 0 for r in cpu for v in r[1:]), out.stdout
+    assert "where a layer's round trip goes" not in out.stdout
+
+
 def test_transport_benchmark_cpu_mode_prints_each_halfs_python_per_layer():
     out = subprocess.run([sys.executable, str(BENCHMARKS / "transport.py"), "--cpu", "--tokens",
                           "1", "16"], capture_output=True, text=True, timeout=180)
