@@ -6,6 +6,7 @@ calls the lifecycle functions the role workers call.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -63,24 +64,64 @@ def test_an_afd_server_and_the_processes_it_starts_exit_without_the_final_collec
     """vLLM's processes each spent 2.5 s of CPU in those collections, one process after another,
     so a refused or stopped role took 8 s to go (34 s on two busy cores). The root, through the
     config hook, and a process it starts, through the plugin, skip them; a process of a server
-    without afd does not."""
+    without afd does not, nor one whose user set ``AFD_QUICK_EXIT=0``."""
     root = textwrap.dedent("""
         import gc, os, subprocess, sys
         from afd_common.vllm_glue import lifecycle
         gc.disable()  # the cycle below must wait for the collections at exit
-        if sys.argv[1] == "afd":
+        if sys.argv[1] != "plain":
             lifecycle.exit_without_final_collection()  # the config hook
         child = ("import gc; gc.disable()\\n"
                  "from afd_common.vllm_glue import plugin\\n"
-                 "plugin.register()\\n" + sys.argv[2])
-        print("child:", subprocess.run([sys.executable, "-c", child], capture_output=True,
-                                       text=True).stdout.strip(), flush=True)
+                 "plugin.register()\\n"
+                 "print('child ran', flush=True)\\n" + sys.argv[2])
+        r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+        print("child:", r.returncode, r.stdout.splitlines(), flush=True)
     """) + CYCLE
-    for server, collected in (("afd", False), ("plain", True)):
-        r = subprocess.run([sys.executable, "-c", root, server, CYCLE], capture_output=True,
-                           text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
-        lines = r.stdout.splitlines()
-        expected = "collected at exit" if collected else ""
-        assert lines[0] == f"child: {expected}", (server, r.stdout)
-        assert ("collected at exit" in lines[1:]) == collected, (server, r.stdout)
+    runs = {}
+    for server in ("afd", "plain", "opted out"):
+        env = {k: v for k, v in os.environ.items() if k != lifecycle.QUICK_EXIT_ENV}
+        if server == "opted out":
+            env[lifecycle.QUICK_EXIT_ENV] = "0"
+        runs[server] = subprocess.Popen([sys.executable, "-c", root, server, CYCLE], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+    for server, run in runs.items():
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+        lines = out.splitlines()
+        collected = server != "afd"
+        child = ["child ran"] + (["collected at exit"] if collected else [])
+        assert lines[0] == f"child: 0 {child}", (server, out, err)
+        assert ("collected at exit" in lines[1:]) == collected, (server, out)
+
+
+def test_vllms_config_hook_is_what_makes_a_server_exit_without_the_final_collections(tmp_path):
+    """The same through vLLM's own path (EngineArgs -> VllmConfig, where the hook runs in the
+    API server), with ``AFD_QUICK_EXIT=0`` as the control: the cycle is left alone because of
+    the hook, not because of something vLLM does."""
+    from afd_common.tools.tiny_model import write_tiny_model
+
+    model = write_tiny_model("mixtral", tmp_path / "mixtral", num_layers=2)
+    script = textwrap.dedent("""
+        import gc, sys
+        from vllm.engine.arg_utils import EngineArgs
+        from afd_common.vllm_glue.patches import vllm_config
+        vllm_config.build().install()
+        gc.disable()
+        EngineArgs(model=sys.argv[1], dtype="float32", max_model_len=256, enforce_eager=True,
+                   additional_config={"afd": {"role": "ffn", "compute_gate_on_attention": True}}
+                   ).create_engine_config()
+        print("configured", flush=True)
+    """) + CYCLE
+    runs = {}
+    for value in ("", "0"):
+        env = {k: v for k, v in os.environ.items() if k != lifecycle.QUICK_EXIT_ENV}
+        if value:
+            env[lifecycle.QUICK_EXIT_ENV] = value
+        runs[value] = subprocess.Popen([sys.executable, "-c", script, str(model)], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for value, run in runs.items():
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0 and "configured" in out.splitlines(), err[-3000:]
+        assert ("collected at exit" in out.splitlines()) == (value == "0"), (value, out)

@@ -89,7 +89,11 @@ def exit_worker() -> None:
 
 def exit_without_final_collection() -> None:
     """In an AFD server's root (the config hook): this process and every vLLM process it starts
-    (they inherit the environment) end without the final collections."""
+    (they inherit the environment) end without the final collections -- unless the user set
+    ``AFD_QUICK_EXIT=0``: finalizers of objects in reference cycles (their own code's, say)
+    then still run at exit."""
+    if os.environ.get(QUICK_EXIT_ENV) == "0":
+        return
     os.environ[QUICK_EXIT_ENV] = "1"
     _freeze_at_exit()
 
@@ -97,7 +101,7 @@ def exit_without_final_collection() -> None:
 def inherit_quick_exit() -> None:
     """In every vLLM process (the plugin's ``register``): a process an AFD server started ends
     without the final collections too."""
-    if os.environ.get(QUICK_EXIT_ENV):
+    if os.environ.get(QUICK_EXIT_ENV) == "1":
         _freeze_at_exit()
 
 
