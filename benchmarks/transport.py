@@ -383,7 +383,7 @@ def served_pair(conn, raw, step: int, x: torch.Tensor, back: torch.Tensor, args,
     busy(args.gap_us)
     layers = clock()
     for layer in range(args.layers):
-        conn.recv_ffn_output(conn.send_attn_output(x, LayerCall(layer)))
+        y = conn.recv_ffn_output(conn.send_attn_output(x, LayerCall(layer)))
         if layer == 0:
             first = clock() - layers
     conn.end_step()
@@ -399,6 +399,7 @@ def served_pair(conn, raw, step: int, x: torch.Tensor, back: torch.Tensor, args,
     raw_end = clock()
     if logs:
         conn._net.data.group.paused = raw.paused = False
+    assert torch.equal(y, x) and torch.equal(back, x)  # the FFN side returns its input
     return (planned - start) + (end - layers), raw_end - raw_start, first, raw_first
 
 
