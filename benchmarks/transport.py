@@ -16,11 +16,10 @@ layer run. "served" measures that case: after the other loops, steps whose atten
 computes for ``--gap-us`` (a busy loop) between the metadata and the first layer, each paired
 with raw round trips after the same gap; the connector is timed for ``begin_step``, its layers
 and ``end_step``, neither loop for the gap. Its first layer is printed beside raw's after the
-gap. A third loop, "bare", is the least a connector written in
-Python does per layer: the same calls behind one method per primitive, no checks and no
-bookkeeping, the FFN side's receive buffers reused and the attention side's result allocated per
-call (the model owns what a connector returns). It says how much of the connector's extra is
-Python as such.
+gap. A third loop, "bare", is the least a connector written in Python does per layer: the same
+calls behind one method per primitive, no checks and no bookkeeping, the FFN side's receive
+buffers reused and the attention side's result allocated per call (the model owns what a
+connector returns). It says how much of the connector's extra is Python as such.
 
 Each side's main thread's CPU per layer (``time.thread_time``) is printed for the connector and
 the bare loop (not with ``--breakdown``, whose timing wrapper runs in the connector's loop only):
@@ -260,7 +259,7 @@ def cpu_per_layer(tokens: int, layers: int = 64, steps: int = 400) -> dict:
         f.close()
 
 
-def cpu_per_layer_us(pairs, layers: int) -> tuple[float, float]:
+def thread_cpu_per_layer_us(pairs, layers: int) -> tuple[float, float]:
     """Median (connector, bare) of per-step main-thread CPU (ns) pairs, per layer in us."""
     return tuple(statistics.median(p[i] for p in pairs) / layers / 1e3 for i in (0, 1))
 
@@ -360,6 +359,18 @@ def summary(stamps, served, layers: int) -> dict:
     return out
 
 
+def raw_round_trips(raw, x: torch.Tensor, back: torch.Tensor, layers: int) -> tuple[float, float]:
+    """The attention side's raw loop: one round trip per layer, the reply's receive posted right
+    after the send. The clock after the first layer and at the end."""
+    for layer in range(layers):
+        send = raw.send([x], 1, 0)
+        raw.recv([back], 1, 0).wait()
+        send.wait()
+        if layer == 0:
+            first = time.perf_counter()
+    return first, time.perf_counter()
+
+
 def busy(us: float) -> None:
     """Compute (a busy loop) for ``us`` microseconds, as a role's model would."""
     end = time.perf_counter() + us * 1e-6
@@ -390,17 +401,12 @@ def served_pair(conn, raw, step: int, x: torch.Tensor, back: torch.Tensor, args,
     end = clock()
     busy(args.gap_us)
     raw_start = clock()
-    for layer in range(args.layers):
-        send = raw.send([x], 1, 0)
-        raw.recv([back], 1, 0).wait()
-        send.wait()
-        if layer == 0:
-            raw_first = clock() - raw_start
-    raw_end = clock()
+    raw_first, raw_end = raw_round_trips(raw, x, back, args.layers)
     if logs:
         conn._net.data.group.paused = raw.paused = False
     assert torch.equal(y, x) and torch.equal(back, x)  # the FFN side returns its input
-    return (planned - start) + (end - layers), raw_end - raw_start, first, raw_first
+    return ((planned - start) + (end - layers), raw_end - raw_start, first,
+            raw_first - raw_start)
 
 
 def attention_main(args, ports, q) -> None:
@@ -429,13 +435,7 @@ def attention_main(args, ports, q) -> None:
                 conn.end_step()
                 now.append(time.perf_counter())
                 connector_cpu = time.thread_time_ns() - cpu_start
-                for layer in range(args.layers):
-                    send = raw.send([x], 1, 0)
-                    raw.recv([back], 1, 0).wait()
-                    send.wait()
-                    if layer == 0:
-                        now.append(time.perf_counter())
-                now.append(time.perf_counter())
+                now.extend(raw_round_trips(raw, x, back, args.layers))
                 cpu_start = time.thread_time_ns()
                 for _ in range(args.layers):
                     z = bare.recv_ffn_output(bare.send_attn_output(x))
@@ -522,7 +522,7 @@ def main(argv=None) -> int:
           "Python cold after every wait, unlike --cpu)")
     print(f"{'T':>5} {'attention':>15} {'FFN':>15}")
     for t, r in results.items():
-        a, f = (cpu_per_layer_us(v, args.layers) for v in (r["cpu"], ffn_cpu[t]))
+        a, f = (thread_cpu_per_layer_us(v, args.layers) for v in (r["cpu"], ffn_cpu[t]))
         print(f"{t:>5} {a[0]:>7.1f} / {a[1]:<5.1f} {f[0]:>7.1f} / {f[1]:<5.1f}")
     return 0
 

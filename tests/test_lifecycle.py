@@ -60,6 +60,15 @@ CYCLE = textwrap.dedent("""
 """)
 
 
+def _start(args: list[str], quick_exit: str | None) -> subprocess.Popen:
+    """A Python process with ``AFD_QUICK_EXIT`` as given (None: unset, whatever ours holds)."""
+    env = {k: v for k, v in os.environ.items() if k != lifecycle.QUICK_EXIT_ENV}
+    if quick_exit is not None:
+        env[lifecycle.QUICK_EXIT_ENV] = quick_exit
+    return subprocess.Popen([sys.executable, "-c", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 def test_an_afd_server_and_the_processes_it_starts_exit_without_the_final_collections():
     """vLLM's processes each spent 2.5 s of CPU in those collections, one process after another,
     so a refused or stopped role took 8 s to go (34 s on two busy cores). The root, through the
@@ -78,14 +87,8 @@ def test_an_afd_server_and_the_processes_it_starts_exit_without_the_final_collec
         r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
         print("child:", r.returncode, r.stdout.splitlines(), flush=True)
     """) + CYCLE
-    runs = {}
-    for server in ("afd", "plain", "opted out"):
-        env = {k: v for k, v in os.environ.items() if k != lifecycle.QUICK_EXIT_ENV}
-        if server == "opted out":
-            env[lifecycle.QUICK_EXIT_ENV] = "0"
-        runs[server] = subprocess.Popen([sys.executable, "-c", root, server, CYCLE], env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True)
+    runs = {server: _start([root, server, CYCLE], "0" if server == "opted out" else None)
+            for server in ("afd", "plain", "opted out")}
     for server, run in runs.items():
         out, err = run.communicate(timeout=120)
         assert run.returncode == 0, err
@@ -114,13 +117,7 @@ def test_vllms_config_hook_is_what_makes_a_server_exit_without_the_final_collect
                    ).create_engine_config()
         print("configured", flush=True)
     """) + CYCLE
-    runs = {}
-    for value in ("", "0"):
-        env = {k: v for k, v in os.environ.items() if k != lifecycle.QUICK_EXIT_ENV}
-        if value:
-            env[lifecycle.QUICK_EXIT_ENV] = value
-        runs[value] = subprocess.Popen([sys.executable, "-c", script, str(model)], env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = {value: _start([script, str(model)], value) for value in (None, "0")}
     for value, run in runs.items():
         out, err = run.communicate(timeout=300)
         assert run.returncode == 0 and "configured" in out.splitlines(), err[-3000:]
