@@ -67,6 +67,7 @@ from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
 from afd_common.registry import resolve_connector
 from afd_common.tools.launch import free_port
 from afd_common.transport.control_plane import CONTROL_TAG
+from afd_common.transport import one_link
 
 H = 2048
 TOKENS = (1, 16, 128, 512)
@@ -484,6 +485,8 @@ def main(argv=None) -> int:
     # as a role served the way vLLM asks would (the raw loop allocates nothing either way).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(256 << 20))
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+    if args.breakdown:  # its wrapper times the Python path's group calls; the ranks inherit this
+        os.environ[one_link.ENV] = "0"
     procs = [ctx.Process(target=ffn_main, args=(args, ports, q)),
              ctx.Process(target=attention_main, args=(args, ports, q))]
     for p in procs:
@@ -506,6 +509,9 @@ def main(argv=None) -> int:
     print(f"P2pAFDConnector vs raw torch.distributed (Gloo, 127.0.0.1), H={H}, bf16, "
           f"median per-layer round trip and median paired ratio over {args.reps} steps of "
           f"{args.layers} layers")
+    print("the connector's one-link path: " + (
+        "compiled (afd_common.transport.one_link)" if one_link.available() else
+        f"Python ({one_link.ENV}=0{', for --breakdown' if args.breakdown else ''}, or not built)"))
     print(f"{'T':>5} {'connector ms':>13} {'raw ms':>8} {'ratio':>6} {'steady':>7} "
           f"{'served':>7} {'bare':>6} {'1st layer us':>13} {'served':>11}")
     for t, r in results.items():

@@ -8,15 +8,11 @@ frames ahead."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from afd_common.config import parse_afd_config
 from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
-from afd_common.registry import resolve_connector
-from afd_common.tools.launch import free_port
+from connector_pair import open_pair
 
 CONNECTOR = "LoopbackAFDConnector"
 H = 8
@@ -26,15 +22,7 @@ H = 8
 def pair():
     shape = ModelShape(hidden_size=H, dtype=torch.float32, num_layers=3, moe_layers=(1, 2),
                        architecture="t")
-    port = free_port()
-    a, f = (resolve_connector(CONNECTOR, role)(parse_afd_config(
-        {"role": role, "port": port, "connector": CONNECTOR,
-         "connector_extra_config": {"num_micro_batches": 2, "timeout_s": 10}}), 0, shape)
-        for role in ("attention", "ffn"))
-    t = threading.Thread(target=f.init)
-    t.start()
-    a.init()
-    t.join(30)
+    a, f = open_pair(CONNECTOR, shape, {"num_micro_batches": 2, "timeout_s": 10})
     yield a, f
     a.close()
     f.close()

@@ -48,6 +48,29 @@ def test_ascend_ops_wheel_carries_the_compiled_library(wheels):
     assert "afd_ascend_ops/_C.so" in zipfile.ZipFile(wheel).namelist()
 
 
+def test_common_wheel_carries_the_compiled_one_link_path(wheels):
+    import zipfile
+
+    (wheel,) = wheels.glob("afd_common-*.whl")
+    assert "-py3-none-any" not in wheel.name, "a compiled module makes a platform wheel"
+    assert [n for n in zipfile.ZipFile(wheel).namelist()
+            if n.startswith("afd_common/transport/_one_link") and n.endswith(".so")]
+
+
+def test_common_wheel_without_a_compiler_is_pure_python(tmp_path):
+    import os
+    import zipfile
+
+    run = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir",
+                          str(tmp_path), str(ROOT / "packages" / "afd-common")],
+                         capture_output=True, text=True, env={**os.environ, "CXX": "no-such-c++"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "no C++ compiler (no-such-c++)" in run.stderr
+    (wheel,) = tmp_path.glob("afd_common-*.whl")
+    assert wheel.name.endswith("-py3-none-any.whl")
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".so")]
+
+
 @pytest.mark.parametrize("role,other", [("attention", "ffn"), ("ffn", "attention")])
 def test_role_installs_alone(role, other, wheels, third_party, tmp_path):
     venv = tmp_path / "venv"
@@ -66,13 +89,14 @@ def test_role_installs_alone(role, other, wheels, third_party, tmp_path):
 import importlib.util, json
 from importlib.metadata import distributions
 from afd_common.registry import installed_connectors, resolve_connector, resolve_role
+from afd_common.transport import one_link
 import afd_{role}
 names = sorted(d.metadata["Name"] for d in distributions() if d.metadata["Name"].startswith("afd"))
 halves = {{n: sorted(h) for n, h in installed_connectors().items()}}
 cls = resolve_connector("P2pAFDConnector", "{role}")
 workers = resolve_role("{role}").workers
 print(json.dumps({{"names": names, "halves": halves, "cls": cls.__module__,
-                  "workers": sorted(workers.values()),
+                  "workers": sorted(workers.values()), "compiled": one_link.available(),
                   "other": importlib.util.find_spec("afd_{other}") is not None}}))
 """
     out = subprocess.run([str(py), "-c", check], capture_output=True, text=True, cwd=tmp_path)
@@ -82,6 +106,7 @@ print(json.dumps({{"names": names, "halves": halves, "cls": cls.__module__,
     assert got["halves"]["P2pAFDConnector"] == [role]
     assert got["cls"] == f"afd_{role}.p2p_connector"
     assert got["other"] is False
+    assert got["compiled"] is True  # the one-link path, built into afd-common's wheel
     assert got["workers"] and all(w.startswith(f"afd_{role}.") for w in got["workers"])
     wrong = subprocess.run([str(py), "-c", "from afd_common.registry import resolve_connector;"
                             f"resolve_connector('P2pAFDConnector', '{other}')"],

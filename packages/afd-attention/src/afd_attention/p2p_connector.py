@@ -14,10 +14,13 @@ from __future__ import annotations
 import torch
 
 from afd_common import metrics
+from afd_common.metadata import LayerCall, new_tuple
+from afd_common.transport import one_link
+from afd_common.transport.one_link import LinkError
 from afd_common.transport.p2p import (PROTOCOL, DataTags, count_tag, data_tag, open_p2p_world,
                                       pack)
 from afd_common.transport.peer_io import PendingRecv
-from afd_common.contract import AttentionConnector
+from afd_common.contract import AttentionConnector, PendingResult
 
 
 class P2pAttentionConnector(AttentionConnector):
@@ -43,19 +46,44 @@ class P2pAttentionConnector(AttentionConnector):
         # every size (six alternating runs of benchmarks/transport.py: by 0.14x of raw Gloo at 512
         # tokens); allocating it before the send put 5 us on that path (--breakdown).
         self._spare: torch.Tensor | None = None
+        # That path compiled, where it can serve (afd_common.transport.one_link): a call it took
+        # has the link as its PendingResult's state.
+        self._compiled = None
 
     def _open(self):
-        return open_p2p_world(self, self.backend)
+        net = open_p2p_world(self, self.backend)
+        if self._one_dst is not None:
+            self._compiled = one_link.attention_link(net.data, self._one_dst, self.shape)
+        return net
+
+    def begin_step(self, meta) -> None:
+        super().begin_step(meta)
+        if self._compiled is not None:
+            self._compiled.begin(meta.stage_tokens)
 
     def end_step(self) -> None:
         super().end_step()
         self._spare = None  # not held between steps: it may be as large as a prefill's rows
+        if self._compiled is not None:
+            self._one_rows += self._compiled.end_step()
         if self._one_rows:
             self._rec.routed(self._one_link, self._one_rows)
             self._one_rows = 0
 
     def send_attn_output(self, hidden_states, call, topk_ids=None, topk_weights=None):
-        rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
+        link = self._compiled
+        if link is None:
+            rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
+        else:
+            if topk_ids is None:
+                try:
+                    if link.send(hidden_states, *call):
+                        return new_tuple(PendingResult, (call, link))
+                except LinkError as e:
+                    raise self._link_failure(e, call) from None
+            # Refused there: named here, or a call the compiled path does not take (a strided
+            # tensor).
+            rows = self._check_send_one_by_one(hidden_states, call, topk_ids, topk_weights)
         dst = self._one_dst
         if dst is not None and rows and hidden_states.is_contiguous():
             # Every row to one FFN rank (the routing, if any, is computed there): the one
@@ -77,8 +105,8 @@ class P2pAttentionConnector(AttentionConnector):
         tag = self._tags[call]
         what = ("the FFN result of layer {} stage {}", *call)
         # The results' tensor before any send, so that receives follow sends at once
-        # (PeerIO.send_then_post).
-        out = torch.empty_like(hidden_states)
+        # (PeerIO.send_then_post); contiguous whatever the rows' strides, as a receive needs.
+        out = hidden_states.new_empty(hidden_states.shape)
         if not rows:
             return self._pending(call, (out, ()))
         sent = []
@@ -121,6 +149,14 @@ class P2pAttentionConnector(AttentionConnector):
         return rows, hidden, parts
 
     def recv_ffn_output(self, pending) -> torch.Tensor:
+        call, state = pending
+        if state is self._compiled and state is not None:
+            try:
+                out = state.recv(*call, self.timeouts.current_s)
+            except LinkError as e:
+                raise self._link_failure(e, call) from None
+            if out is not None:
+                return out
         state = self._take(pending)
         net = self._net
         timeout = self.timeouts.current_s
@@ -138,3 +174,22 @@ class P2pAttentionConnector(AttentionConnector):
         for p in pending:
             net.data.wait(p, timeout)
         return out
+
+    def _link_failure(self, e: LinkError, call: LayerCall) -> Exception:
+        return one_link.failure(self._net.data, e, self._one_dst,
+                                ("the FFN result of layer {} stage {}", *call),
+                                self.timeouts.current_s)
+
+    def _unreceived(self) -> list[LayerCall]:
+        calls = super()._unreceived()
+        if self._compiled is not None:
+            calls = sorted(calls + [LayerCall(*c) for c in self._compiled.in_flight()])
+        return calls
+
+    def _release(self, net) -> None:
+        try:
+            super()._release(net)
+        finally:
+            link, self._compiled = self._compiled, None
+            if link is not None:
+                link.drop()

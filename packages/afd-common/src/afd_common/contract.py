@@ -270,9 +270,10 @@ class AttentionConnector(AFDConnector):
     def begin_step(self, meta: StepMetadata) -> None:
         """Announce a step (including profile, dummy and warm-up steps) to the FFN side."""
         self._require_net()
-        if self._inflight:
+        unreceived = self._unreceived()
+        if unreceived:
             raise RuntimeError(f"step {meta.step} begins with results of the previous step "
-                               f"still unreceived: {sorted(self._inflight)}")
+                               f"still unreceived: {unreceived}")
         control = self.control_plane
         if control is not None:
             # The FFN side would refuse the plan (a protocol error that ends the step on both
@@ -315,6 +316,11 @@ class AttentionConnector(AFDConnector):
 
     # -- for the halves ----------------------------------------------------------------------
 
+    def _unreceived(self) -> list[LayerCall]:
+        """The calls sent and not received, sorted (a half that keeps some elsewhere adds
+        them)."""
+        return sorted(self._inflight)
+
     def _pending(self, call: LayerCall, state) -> PendingResult:
         self._inflight.add(call)
         return new_tuple(PendingResult, (call, state))
@@ -326,7 +332,7 @@ class AttentionConnector(AFDConnector):
         if call not in self._inflight or self._net is None:
             self._require_net()
             raise RuntimeError(f"recv_ffn_output({call}): not in flight (received "
-                               f"already?); in flight: {sorted(self._inflight)}")
+                               f"already?); in flight: {self._unreceived()}")
         self._inflight.discard(call)
         return state
 
@@ -362,7 +368,7 @@ class AttentionConnector(AFDConnector):
         if not 0 <= stage < len(tokens):
             raise ValueError(f"stage {stage} out of range: step {step.step} has "
                              f"{len(tokens)} stages")
-        if call in self._inflight:
+        if call in self._unreceived():
             raise RuntimeError(f"{call} sent twice without receiving its result")
         size = hidden.shape
         if len(size) != 2 or size[1] != shape.hidden_size:
@@ -388,7 +394,7 @@ class AttentionConnector(AFDConnector):
 
     def _release(self, net: Net) -> None:
         try:
-            if not self._inflight:  # the FFN side's loop then ends cleanly, not by a timeout
+            if not self._unreceived():  # the FFN side's loop then ends cleanly, not by a timeout
                 self._goodbye(net)
         except Exception:  # noqa: BLE001 - the peer may already be gone; closing must not fail
             pass

@@ -30,6 +30,8 @@ import torch
 
 from afd_common.errors import AFDProtocolError
 from afd_common.metadata import StepKind, WorkItem, WorkItemMeta, new_tuple
+from afd_common.transport import one_link
+from afd_common.transport.one_link import LinkError
 from afd_common.transport.p2p import (PROTOCOL, DataTags, ReceiveBuffers, count_tag,
                                       open_p2p_world, unpack)
 from afd_common.contract import ScheduledFFNConnector
@@ -90,6 +92,9 @@ class P2pFFNConnector(ScheduledFFNConnector):
         self._post = self._post_counts if self._sharded else self._post_rows
         self._tags = DataTags()
         self._kind = StepKind.RUN  # the current step's
+        # The one-source path compiled, where it can serve (afd_common.transport.one_link), and
+        # whether it serves the current step: it takes a step whose every stage has rows.
+        self._compiled, self._compiled_step = None, False
 
     def _open(self):
         # Nothing posted on a world that is gone is waited on.
@@ -97,16 +102,34 @@ class P2pFFNConnector(ScheduledFFNConnector):
         shape = self.shape
         self._buffers = ReceiveBuffers(shape.hidden_size, shape.dtype, shape.top_k, self._gate,
                                        self.device)
-        return open_p2p_world(self, self.backend)
+        net = open_p2p_world(self, self.backend)
+        if len(self._links) == 1 and not self._sharded and not self._gate:
+            self._compiled = one_link.ffn_link(
+                net.data, self._global[self._links[0].attention_rank], shape)
+        self._compiled_step = False
+        return net
 
     def recv_step(self):
-        if self._posted is not None:  # the loop left a step before serving all of it
-            raise RuntimeError(f"the next step is asked for while layer {self._posted.layer_idx} "
-                               f"stage {self._posted.stage} of step {self._plan.step} is unserved")
+        posted = self._posted
+        if posted is None and self._compiled_step:
+            posted = self._compiled.expected()
+        if posted is not None:  # the loop left a step before serving all of it
+            raise RuntimeError(f"the next step is asked for while layer {posted[0]} stage "
+                               f"{posted[1]} of step {self._plan.step} is unserved")
         return super().recv_step()
 
     def _post_first(self):
         self._kind, self._ready = self._plan.kind, None
+        compiled = self._compiled
+        if compiled is not None:
+            try:
+                self._compiled_step = compiled.begin([n for (_, n), in self._sources])
+            except LinkError as e:
+                self._compiled_step = False
+                raise self._link_failure(e, self._first_layer, 0) from None
+            if self._compiled_step:
+                self._frame_due = True  # as below
+                return
         if self._first_layer is not None and self._sources:
             self._posted = self._post(self._first_layer, 0, self._sources[0])
             # Between this and the step's first wait it would delay rows that are likely in
@@ -116,6 +139,8 @@ class P2pFFNConnector(ScheduledFFNConnector):
             self._net.control.post_next()
 
     def recv_layer(self, stage_idx, layer_idx, max_num_tokens=None) -> WorkItem:
+        if self._compiled_step:
+            return self._recv_compiled(stage_idx, layer_idx, max_num_tokens)
         posted, self._posted = self._posted, None
         net = self._net
         if (posted is None or posted.layer_idx != layer_idx or posted.stage != stage_idx
@@ -218,6 +243,16 @@ class P2pFFNConnector(ScheduledFFNConnector):
 
     def send_ffn_output(self, output: torch.Tensor, item: WorkItem) -> None:
         meta = item.meta
+        if self._compiled_step:
+            try:
+                sent = self._compiled.send(output, meta.stage, meta.layer_idx)
+            except LinkError as e:
+                raise self._link_failure(e, meta.layer_idx, meta.stage) from None
+            if not sent:
+                self._refused_output(output, meta)
+            if self._frame_due:
+                self._post_frame()
+            return
         ready = self._ready
         if (ready is not None and ready.meta is meta and output.shape == ready.shape
                 and output.dtype == self._dtype and output.is_contiguous()
@@ -286,3 +321,48 @@ class P2pFFNConnector(ScheduledFFNConnector):
     def _post_frame(self) -> None:
         self._frame_due = False
         self._net.control.post_next()
+
+    def _recv_compiled(self, stage_idx: int, layer_idx: int, max_num_tokens: int | None):
+        """``recv_layer`` where the compiled link serves the step."""
+        if max_num_tokens is not None:
+            self._stage_sources(stage_idx, max_num_tokens, layer_idx)
+        try:
+            hidden = self._compiled.recv(stage_idx, layer_idx, self.timeouts.current_s)
+        except LinkError as e:
+            raise self._link_failure(e, layer_idx, stage_idx) from None
+        if hidden is None:
+            self._stage_sources(stage_idx, max_num_tokens, layer_idx)  # names a bad call
+            layer, stage, serving = self._compiled.expected()
+            raise RuntimeError(
+                f"recv_layer(layer {layer_idx}, stage {stage_idx}) while layer {layer} stage "
+                f"{stage} is {'being served' if serving else 'next'}: the scheduled loop serves "
+                "the MoE layers in order, each layer's stages in order")
+        return new_tuple(WorkItem, (hidden, new_tuple(WorkItemMeta, (
+            layer_idx, stage_idx, self._plan.step, self._sources[stage_idx], False,
+            self._kind)), None, None, None))
+
+    def _refused_output(self, output: torch.Tensor, meta: WorkItemMeta) -> None:
+        """Why the compiled link refused a result: its shape, or not the item being served."""
+        self._check_output(output, meta.num_tokens)
+        expected = self._compiled.expected()
+        now = (f"layer {expected[0]} stage {expected[1]} is "
+               f"{'being served' if expected[2] else 'next'}" if expected
+               else f"step {self._plan.step} is served")
+        raise RuntimeError(f"send_ffn_output for layer {meta.layer_idx} stage {meta.stage} of "
+                           f"step {meta.step} while {now}: each item's result is sent once, "
+                           "in the order served")
+
+    def _link_failure(self, e: LinkError, layer_idx: int, stage_idx: int) -> Exception:
+        return one_link.failure(
+            self._net.data, e, self._global[self._links[0].attention_rank],
+            ("hidden states of layer {} stage {}", layer_idx, stage_idx), self.timeouts.current_s)
+
+    def _release(self, net) -> None:
+        compiled, self._compiled, self._compiled_step = self._compiled, None, False
+        if compiled is not None:
+            compiled.drop()
+            try:
+                compiled.flush(min(5.0, self.timeouts.step_s))
+            except Exception:  # noqa: BLE001 - the peer may be gone; closing must not fail
+                pass
+        super()._release(net)

@@ -117,12 +117,34 @@ class PeerIO:
             sends.append((work, tensor))
 
     def _send_failed(self, dst: int, e: RuntimeError) -> AFDPeerError:
-        return AFDPeerError(f"send to {self._describe(dst)} failed: {first_line(e)}")
+        return self.failure("send", dst, None, None, str(e))
 
     def _post_failed(self, src: int, tensor, what, e: RuntimeError) -> AFDPeerError:
-        what = PendingRecv(None, tensor, src, what).describe()
-        return AFDPeerError(f"lost {self._describe(src)} before receiving {what}: "
-                            f"{first_line(e)}")
+        return self.failure("post", src, what, None, str(e))
+
+    def failure(self, kind: str, peer: int, what: str | tuple | None, timeout_s: float | None,
+                error: str) -> AFDPeerError:
+        """The error for a failed operation with ``peer``, by ``kind``: "send" or "post" (a
+        send's or a receive's posting), "wait" (a receive's wait, ``what`` it awaited) or
+        "settle" (a send's wait). Also how the compiled link's failures are worded
+        (``afd_common.transport.one_link``)."""
+        where, line = self._describe(peer), first_line_of(error)
+        if kind == "send":
+            return AFDPeerError(f"send to {where} failed: {line}")
+        if kind == "settle":
+            if is_timeout_message(error):
+                return AFDTimeoutError(f"{where} did not take a message we sent within "
+                                       f"{timeout_s} s: {line}")
+            return AFDPeerError(f"{where} did not take a message we sent: {line}")
+        what = PendingRecv(None, None, peer, what).describe()
+        if kind == "post":
+            return AFDPeerError(f"lost {where} before receiving {what}: {line}")
+        if is_timeout_message(error):
+            hint = (" -- or, under in-order matching, an operation posted earlier on this "
+                    "link never completed" if self.in_order else "")
+            return AFDTimeoutError(f"no {what} from {where} within {timeout_s} s (is the peer "
+                                   f"alive and in the same step?{hint})")
+        return AFDPeerError(f"lost {where} while waiting for {what}: {line}")
 
     def wait(self, pending: PendingRecv, timeout_s: float | None) -> torch.Tensor:
         """``timeout_s=None``: wait until the data or the connection's end (idle waits)."""
@@ -141,14 +163,7 @@ class PeerIO:
                 wait_device_work(work, timeout_s)
         except RuntimeError as e:
             self._proved.pop(src, None)
-            where = self._describe(src)
-            if is_timeout(e):
-                hint = (" -- or, under in-order matching, an operation posted earlier on this "
-                        "link never completed" if self.in_order else "")
-                raise AFDTimeoutError(f"no {pending.describe()} from {where} within {timeout_s} "
-                                      f"s (is the peer alive and in the same step?{hint})") from None
-            raise AFDPeerError(f"lost {where} while waiting for {pending.describe()}: "
-                               f"{first_line(e)}") from None
+            raise self.failure("wait", src, pending.what, timeout_s, str(e)) from None
         return tensor
 
     def _settle(self, dst: int, timeout_s: float, count: int | None = None) -> None:
@@ -169,11 +184,7 @@ class PeerIO:
                 else:
                     wait_device_work(work, timeout_s)
             except RuntimeError as e:
-                if is_timeout(e):
-                    raise AFDTimeoutError(f"{self._describe(dst)} did not take a message we sent "
-                                          f"within {timeout_s} s: {first_line(e)}") from None
-                raise AFDPeerError(f"{self._describe(dst)} did not take a message we sent: "
-                                   f"{first_line(e)}") from None
+                raise self.failure("settle", dst, None, timeout_s, str(e)) from None
 
     def flush(self, timeout_s: float) -> None:
         """Wait (bounded) until every peer took what we sent."""
@@ -223,10 +234,18 @@ def backend_name(group) -> str:
 
 
 def is_timeout(e: BaseException) -> bool:
-    msg = str(e).lower()
+    return is_timeout_message(str(e))
+
+
+def is_timeout_message(msg: str) -> bool:
+    msg = msg.lower()
     return "timed out" in msg or "timeout" in msg
 
 
 def first_line(e: BaseException) -> str:
-    msg = str(e).strip()
-    return msg.splitlines()[0] if msg else type(e).__name__
+    return first_line_of(str(e), type(e).__name__)
+
+
+def first_line_of(msg: str, empty: str = "RuntimeError") -> str:
+    msg = msg.strip()
+    return msg.splitlines()[0] if msg else empty

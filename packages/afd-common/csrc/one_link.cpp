@@ -1,0 +1,391 @@
+// The P2P connector's one-link round trip, compiled: afd_common.transport.one_link says why and
+// when it is used; the Python halves (afd_attention/afd_ffn p2p_connector.py) keep every other
+// path and every error message.
+//
+// Each class does, on one Gloo link, exactly what the Python one-link path does with PeerIO:
+// a send and the receive of its answer posted back to back, sends kept alive until a reply proves
+// them taken and waited on (bounded) just before the next blocking wait, receives bounded. What
+// it refuses (a call out of order, a tensor of another shape) it leaves to the Python path by
+// returning None / false; what fails on the wire it raises as LinkError(kind, detail), which the
+// Python side words (PeerIO.failure).
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <deque>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int64_t kMaxStages = 64;  // afd_common.metadata.MAX_STAGES: tags are layer * 64 + stage
+
+// A failure on the wire: kind is "send" (posting a send), "post" (posting a receive), "wait" (a
+// receive's wait) or "settle" (a send's wait); detail is the backend's first line.
+struct LinkError {
+  std::string kind;
+  std::string detail;
+};
+
+PyObject* link_error_type = nullptr;
+
+std::string first_line(const std::exception& e) {
+  const auto* c10e = dynamic_cast<const c10::Error*>(&e);
+  std::string msg = c10e ? c10e->what_without_backtrace() : e.what();
+  auto start = msg.find_first_not_of(" \n\t");
+  if (start == std::string::npos) return "RuntimeError";
+  msg = msg.substr(start);
+  auto end = msg.find('\n');
+  return end == std::string::npos ? msg : msg.substr(0, end);
+}
+
+std::chrono::milliseconds bound(double timeout_s) {
+  return std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+}
+
+// One link's sends, kept until known taken: PeerIO's bookkeeping for one peer.
+class Sends {
+ public:
+  void keep(c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor) {
+    sends_.push_back({std::move(work), std::move(tensor)});
+  }
+  // Before waiting for a reply: the sends the previous reply proved taken are waited on, and this
+  // reply will prove the rest. Called without the GIL.
+  void settle_proved(double timeout_s) {
+    size_t n = proved_;
+    proved_ = 0;
+    settle(n, timeout_s);
+    proved_ = sends_.size();
+  }
+  void reply_failed() { proved_ = 0; }
+  void settle_all(double timeout_s) {
+    proved_ = 0;
+    settle(sends_.size(), timeout_s);
+  }
+
+ private:
+  void settle(size_t n, double timeout_s) {
+    for (; n > 0 && !sends_.empty(); --n) {
+      auto sent = std::move(sends_.front());
+      sends_.pop_front();
+      try {
+        sent.work->wait(bound(timeout_s));
+      } catch (const std::exception& e) {
+        throw LinkError{"settle", first_line(e)};
+      }
+    }
+  }
+  struct Sent {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor tensor;
+  };
+  std::deque<Sent> sends_;
+  size_t proved_ = 0;
+};
+
+// Post a send or a receive of one tensor.
+c10::intrusive_ptr<c10d::Work> post(c10d::Backend& pg, bool send, const at::Tensor& t, int peer,
+                                    int tag) {
+  std::vector<at::Tensor> v{t};
+  try {
+    return send ? pg.send(v, peer, tag) : pg.recv(v, peer, tag);
+  } catch (const std::exception& e) {
+    throw LinkError{send ? "send" : "post", first_line(e)};
+  }
+}
+
+// Wait for a reply without the GIL, its proved sends first.
+void wait_reply(Sends& sends, c10d::Work& work, double timeout_s) {
+  py::gil_scoped_release nogil;
+  sends.settle_proved(timeout_s);
+  try {
+    work.wait(bound(timeout_s));
+  } catch (const std::exception& e) {
+    sends.reply_failed();
+    throw LinkError{"wait", first_line(e)};
+  }
+}
+
+std::vector<bool> layer_mask(const std::vector<int64_t>& moe_layers, int64_t num_layers) {
+  std::vector<bool> moe(static_cast<size_t>(num_layers), false);
+  for (auto l : moe_layers) {
+    if (l >= 0 && l < num_layers) moe[static_cast<size_t>(l)] = true;
+  }
+  return moe;
+}
+
+// What both halves hold: the group, the peer, the rows' dtype and width, the sends to settle.
+class Link {
+ public:
+  Link(c10::intrusive_ptr<c10d::Backend> pg, int peer, at::ScalarType dtype, int64_t hidden)
+      : pg_(std::move(pg)), peer_(peer), dtype_(dtype), hidden_(hidden) {}
+
+  // Wait (bounded) until the peer took every send (closing).
+  void flush(double timeout_s) {
+    py::gil_scoped_release nogil;
+    sends_.settle_all(timeout_s);
+  }
+
+ protected:
+  c10::intrusive_ptr<c10d::Backend> pg_;
+  int peer_;
+  at::ScalarType dtype_;
+  int64_t hidden_;
+  Sends sends_;
+};
+
+// The attention half: every row of the rank to one FFN rank, which computes the routing.
+class AttentionLink : public Link {
+ public:
+  AttentionLink(c10::intrusive_ptr<c10d::Backend> pg, int dst, at::ScalarType dtype,
+                int64_t hidden, const std::vector<int64_t>& moe_layers, int64_t num_layers)
+      : Link(std::move(pg), dst, dtype, hidden), moe_(layer_mask(moe_layers, num_layers)),
+        slots_(static_cast<size_t>(num_layers * kMaxStages)) {}
+
+  // The step's rows per stage; nothing of the previous step is in flight (checked by the caller).
+  void begin(std::vector<int64_t> stage_rows) { rows_ = std::move(stage_rows); }
+
+  // Send and post its answer's receive, or false where the Python path must take the call.
+  bool send(const at::Tensor& h, int64_t layer, int64_t stage) {
+    if (layer < 0 || layer >= static_cast<int64_t>(moe_.size()) || !moe_[layer] || stage < 0 ||
+        stage >= static_cast<int64_t>(rows_.size()) || stage >= kMaxStages)
+      return false;
+    Slot& slot = slots_[layer * kMaxStages + stage];
+    if (slot.work || h.scalar_type() != dtype_ || h.dim() != 2 || h.size(0) != rows_[stage] ||
+        h.size(0) == 0 || h.size(1) != hidden_ || !h.is_contiguous() || !h.is_cpu())
+      return false;
+    at::Tensor out = spare_.defined() && spare_.sizes() == h.sizes() ? spare_ : at::empty_like(h);
+    spare_ = at::Tensor();
+    int tag = static_cast<int>(layer * kMaxStages + stage);
+    auto sent = post(*pg_, true, h, peer_, tag);
+    c10::intrusive_ptr<c10d::Work> posted;
+    try {
+      posted = post(*pg_, false, out, peer_, tag);
+    } catch (const LinkError&) {
+      sends_.keep(std::move(sent), h);
+      throw;
+    }
+    sends_.keep(std::move(sent), h);
+    slot.work = std::move(posted);
+    slot.out = std::move(out);
+    ++in_flight_;
+    rows_sent_ += h.size(0);
+    return true;
+  }
+
+  // The result of a call ``send`` took, or None where it took no such call.
+  py::object recv(int64_t layer, int64_t stage, double timeout_s) {
+    if (layer < 0 || layer >= static_cast<int64_t>(moe_.size()) || stage < 0 ||
+        stage >= kMaxStages)
+      return py::none();
+    Slot& slot = slots_[layer * kMaxStages + stage];
+    if (!slot.work) return py::none();
+    auto work = std::move(slot.work);
+    at::Tensor out = std::move(slot.out);
+    --in_flight_;
+    // The next call's result tensor, while this one's is awaited.
+    spare_ = at::empty_like(out);
+    wait_reply(sends_, *work, timeout_s);
+    return py::cast(out);
+  }
+
+  std::vector<std::pair<int64_t, int64_t>> in_flight() const {
+    std::vector<std::pair<int64_t, int64_t>> calls;
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      if (slots_[i].work) calls.emplace_back(i / kMaxStages, i % kMaxStages);
+    }
+    return calls;
+  }
+  int64_t num_in_flight() const { return in_flight_; }
+
+  // The step is over: rows sent in it (metrics), the spare let go.
+  int64_t end_step() {
+    spare_ = at::Tensor();
+    int64_t rows = rows_sent_;
+    rows_sent_ = 0;
+    return rows;
+  }
+
+  // Forget every call in flight (the connector closes).
+  void drop() {
+    for (auto& slot : slots_) slot = Slot{};
+    in_flight_ = 0;
+  }
+
+ private:
+  struct Slot {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor out;
+  };
+  std::vector<bool> moe_;
+  std::vector<int64_t> rows_;
+  std::vector<Slot> slots_;  // by layer * kMaxStages + stage
+  int64_t in_flight_ = 0;
+  int64_t rows_sent_ = 0;
+  at::Tensor spare_;
+};
+
+// The FFN half: one attention rank's rows in every stage of the step, the routing computed here.
+// The step is served in order (MoE layers ascending, each layer's stages ascending); each
+// (layer, stage)'s receive is posted with the previous result's send.
+class FFNLink : public Link {
+ public:
+  FFNLink(c10::intrusive_ptr<c10d::Backend> pg, int src, at::ScalarType dtype, int64_t hidden,
+          std::vector<int64_t> moe_layers)
+      : Link(std::move(pg), src, dtype, hidden), layers_(std::move(moe_layers)) {}
+
+  // Take the step if every stage has rows: post its first receive. False: the Python path serves
+  // it.
+  bool begin(std::vector<int64_t> stage_rows) {
+    state_ = State::kIdle;
+    if (layers_.empty() || stage_rows.empty() ||
+        static_cast<int64_t>(stage_rows.size()) > kMaxStages)
+      return false;
+    for (auto n : stage_rows) {
+      if (n <= 0) return false;
+    }
+    rows_ = std::move(stage_rows);
+    if (rings_.size() < rows_.size()) rings_.resize(rows_.size());
+    layer_pos_ = 0;
+    stage_ = 0;
+    work_ = post(*pg_, false, next_buffer(), peer_, tag());
+    state_ = State::kPosted;
+    return true;
+  }
+
+  // The rows of (layer, stage), or None unless that is the receive posted next.
+  py::object recv(int64_t stage, int64_t layer, double timeout_s) {
+    if (state_ != State::kPosted || layer != layers_[layer_pos_] || stage != stage_)
+      return py::none();
+    state_ = State::kServing;
+    auto work = std::move(work_);
+    try {
+      wait_reply(sends_, *work, timeout_s);
+    } catch (const LinkError&) {
+      state_ = State::kIdle;
+      throw;
+    }
+    return py::cast(rings_[stage_].current());
+  }
+
+  // Send the result of the item ``recv`` returned last and post the next receive; false where the
+  // Python path must check the call (another item, a result of the wrong shape or dtype).
+  bool send(const at::Tensor& output, int64_t stage, int64_t layer) {
+    if (state_ != State::kServing || layer != layers_[layer_pos_] || stage != stage_ ||
+        output.scalar_type() != dtype_ || output.dim() != 2 || output.size(0) != rows_[stage] ||
+        output.size(1) != hidden_ || !output.is_cpu())
+      return false;
+    at::Tensor out = output.is_contiguous() ? output : output.contiguous();
+    state_ = State::kIdle;  // until the next receive is posted
+    auto sent = post(*pg_, true, out, peer_, tag());
+    if (!advance()) {
+      sends_.keep(std::move(sent), out);
+      return true;
+    }
+    try {
+      work_ = post(*pg_, false, next_buffer(), peer_, tag());
+    } catch (const LinkError&) {
+      sends_.keep(std::move(sent), out);
+      throw;
+    }
+    sends_.keep(std::move(sent), out);
+    state_ = State::kPosted;
+    return true;
+  }
+
+  // (layer, stage) the step expects next, or None when this link serves no step now.
+  py::object expected() const {
+    if (state_ == State::kIdle) return py::none();
+    return py::make_tuple(layers_[layer_pos_], stage_, state_ == State::kServing);
+  }
+
+  // Forget the step (the connector closes or leaves it).
+  void drop() {
+    work_.reset();
+    state_ = State::kIdle;
+  }
+
+ private:
+  enum class State { kIdle, kPosted, kServing };
+
+  // Two buffers per stage, taken in turn: a (layer, stage)'s rows land where those of two layers
+  // back did (afd_common.transport.p2p.ReceiveBuffers says why that is safe).
+  struct Ring {
+    at::Tensor bufs[2];
+    int turn = 0;
+    at::Tensor& take(int64_t rows, int64_t hidden, at::ScalarType dtype) {
+      turn ^= 1;
+      at::Tensor& b = bufs[turn];
+      if (!b.defined() || b.size(0) != rows)
+        b = at::empty({rows, hidden}, at::TensorOptions().dtype(dtype));
+      return b;
+    }
+    const at::Tensor& current() const { return bufs[turn]; }
+  };
+
+  int tag() const { return static_cast<int>(layers_[layer_pos_] * kMaxStages + stage_); }
+
+  at::Tensor& next_buffer() { return rings_[stage_].take(rows_[stage_], hidden_, dtype_); }
+
+  // To the next (layer, stage) of the step; false at its end.
+  bool advance() {
+    if (++stage_ < static_cast<int64_t>(rows_.size())) return true;
+    stage_ = 0;
+    return ++layer_pos_ < layers_.size();
+  }
+
+  std::vector<int64_t> layers_;
+  std::vector<int64_t> rows_;
+  std::vector<Ring> rings_;
+  size_t layer_pos_ = 0;
+  int64_t stage_ = 0;
+  State state_ = State::kIdle;
+  c10::intrusive_ptr<c10d::Work> work_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_one_link, m) {
+  m.doc() = "The P2P connector's one-link round trip (afd_common.transport.one_link).";
+  static py::exception<LinkError> error(m, "LinkError");
+  link_error_type = error.ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const LinkError& e) {
+      py::tuple args = py::make_tuple(e.kind, e.detail);
+      PyErr_SetObject(link_error_type, args.ptr());
+    }
+  });
+
+  py::class_<Link>(m, "Link").def("flush", &Link::flush);
+
+  py::class_<AttentionLink, Link>(m, "AttentionLink")
+      .def(py::init<c10::intrusive_ptr<c10d::Backend>, int, at::ScalarType, int64_t,
+                    const std::vector<int64_t>&, int64_t>(),
+           py::arg("group"), py::arg("dst"), py::arg("dtype"), py::arg("hidden_size"),
+           py::arg("moe_layers"), py::arg("num_layers"))
+      .def("begin", &AttentionLink::begin)
+      .def("send", &AttentionLink::send)
+      .def("recv", &AttentionLink::recv)
+      .def("in_flight", &AttentionLink::in_flight)
+      .def("num_in_flight", &AttentionLink::num_in_flight)
+      .def("end_step", &AttentionLink::end_step)
+      .def("drop", &AttentionLink::drop);
+
+  py::class_<FFNLink, Link>(m, "FFNLink")
+      .def(py::init<c10::intrusive_ptr<c10d::Backend>, int, at::ScalarType, int64_t,
+                    std::vector<int64_t>>(),
+           py::arg("group"), py::arg("src"), py::arg("dtype"), py::arg("hidden_size"),
+           py::arg("moe_layers"))
+      .def("begin", &FFNLink::begin)
+      .def("recv", &FFNLink::recv)
+      .def("send", &FFNLink::send)
+      .def("expected", &FFNLink::expected)
+      .def("drop", &FFNLink::drop);
+}

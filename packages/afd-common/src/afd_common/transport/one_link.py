@@ -1,0 +1,64 @@
+"""The P2P connector's round trip on one Gloo link, compiled (``csrc/one_link.cpp``).
+
+Where an attention rank's rows all go to one FFN rank and an FFN rank's come from one attention
+rank (replicated experts, the routing computed on the FFN side, A:F 1:1), each MoE layer is a
+send and the receive of its answer on each side. In Python that path ran 15-37 us of CPU per
+layer above a bare loop of the same Gloo calls (``benchmarks/transport.py``): the code runs
+cold after every wait, at 3-5x its hot cost, and the same logic rewritten minimally in Python
+cost the same. Compiled, it does what the Python path does (the same order of operations, sends
+kept until a reply proves them taken, bounded waits) at the bare loop's CPU.
+
+It is used only on a Gloo group, outside the in-order test mode (a Python wrapper), when the
+module was built (afd-common's build hook; without a C++ compiler the wheel is pure Python), and
+unless ``AFD_ONE_LINK=0``. Every other path -- several links, sharded experts, routing from the
+attention side, NCCL/HCCL -- stays in the connector's Python, and so do the checks that name
+what is wrong: the compiled side refuses what it does not expect and the Python path raises.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from afd_common.transport.peer_io import PeerIO
+
+try:
+    from afd_common.transport._one_link import AttentionLink, FFNLink, LinkError
+except ImportError:  # not built: the Python path runs
+    AttentionLink = FFNLink = None
+
+    class LinkError(RuntimeError):
+        """Raised only by the compiled module; never when it is absent."""
+
+ENV = "AFD_ONE_LINK"
+
+
+def available() -> bool:
+    return AttentionLink is not None and os.environ.get(ENV, "1") != "0"
+
+
+def _usable(io: PeerIO | None) -> bool:
+    return (io is not None and not io.in_order and available()
+            and isinstance(io.group, dist.ProcessGroupGloo))
+
+
+def attention_link(io: PeerIO | None, dst: int, shape) -> AttentionLink | None:
+    """The compiled attention half of the link to global rank ``dst``, where it can serve."""
+    if not _usable(io):
+        return None
+    return AttentionLink(io.group, dst, shape.dtype, shape.hidden_size, list(shape.moe_layers),
+                         shape.num_layers)
+
+
+def ffn_link(io: PeerIO | None, src: int, shape) -> FFNLink | None:
+    """The compiled FFN half of the link from global rank ``src``, where it can serve."""
+    if not _usable(io):
+        return None
+    return FFNLink(io.group, src, shape.dtype, shape.hidden_size, list(shape.moe_layers))
+
+
+def failure(io: PeerIO, e: LinkError, peer: int, what: tuple, timeout_s: float) -> Exception:
+    """The AFD error for a failure the compiled link raised, worded as PeerIO words its own."""
+    kind, detail = e.args
+    return io.failure(kind, peer, what, timeout_s, detail)

@@ -1,0 +1,226 @@
+"""The P2P connector's compiled one-link path (afd_common.transport.one_link) over Gloo, both
+halves in this process: it serves an A:F 1:1 link, gives the Python path's results and errors,
+hands over to the Python path for what it does not take, and stands aside when told to."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from afd_common.errors import AFDPeerError, AFDTimeoutError
+from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
+from afd_common.transport import one_link
+from connector_pair import open_pair
+
+H = 8
+LAYERS = (1, 2)
+
+
+def gloo_pair(timeout_s: float = 10.0, dtype=torch.float32):
+    shape = ModelShape(hidden_size=H, dtype=dtype, num_layers=3, moe_layers=LAYERS,
+                       architecture="t")
+    return open_pair("P2pAFDConnector", shape,
+                     {"num_micro_batches": 2, "timeout_s": timeout_s, "backend": "gloo"})
+
+
+@pytest.fixture
+def pair():
+    a, f = gloo_pair()
+    yield a, f
+    a.close()
+    f.close()
+
+
+@pytest.fixture(params=["compiled", "python"])
+def either(request, monkeypatch):
+    """A pair on either path: what both must do alike."""
+    if request.param == "python":
+        monkeypatch.setenv(one_link.ENV, "0")
+    a, f = gloo_pair()
+    assert (a._compiled is not None) == (request.param == "compiled")
+    yield a, f
+    a.close()
+    f.close()
+
+
+def test_the_compiled_module_is_built():
+    """CI builds it (a compiler is there): a missing module would silently test the Python path
+    twice."""
+    assert one_link.available()
+
+
+def test_a_one_to_one_link_is_compiled_on_both_sides(pair):
+    a, f = pair
+    assert a._compiled is not None and f._compiled is not None
+
+
+def test_env_keeps_the_python_path(monkeypatch):
+    monkeypatch.setenv(one_link.ENV, "0")
+    a, f = gloo_pair()
+    try:
+        assert a._compiled is None and f._compiled is None
+    finally:
+        a.close()
+        f.close()
+
+
+def serve(f, steps: int, result=lambda item: item.hidden_states * 2):
+    """The FFN loop in a thread: ``result`` of each item sent back; exceptions kept. Each item's
+    rows must stay as received until the result of its stage's next layer is sent
+    (``recv_layer``'s promise): checked when the next layer's rows are in hand."""
+    errors, compiled = [], []
+
+    def run():
+        try:
+            for _ in range(steps):
+                plan = f.recv_step()
+                compiled.append(f._compiled_step)
+                held = {}
+                for layer in LAYERS:
+                    for stage in range(plan.num_stages):
+                        item = f.recv_layer(stage, layer)
+                        if stage in held:
+                            old, rows = held[stage]
+                            assert torch.equal(old.hidden_states, rows), (layer, stage)
+                        held[stage] = (item, item.hidden_states.clone())
+                        f.send_ffn_output(result(item), item)
+                f.end_step()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, errors, compiled
+
+
+@pytest.mark.parametrize("rows", [(3, 2), (0, 2), (4, 0), (1, 1)])
+def test_results_match_and_steps_without_rows_in_a_stage_take_the_python_path(either, rows):
+    """Strided tensors on either side too: the attention side hands them to the Python path
+    (mixing both on one link in a step), the FFN side sends a contiguous copy."""
+    a, f = either
+    steps = [rows, (2, 3), rows]
+    t, errors, compiled = serve(f, len(steps), result=lambda item: (item.hidden_states * 2).t()
+                                .contiguous().t())
+    for step, stage_rows in enumerate(steps):
+        a.begin_step(StepMetadata(step, StepKind.RUN, stage_rows))
+        for layer in LAYERS:
+            sent = []
+            for stage, n in enumerate(stage_rows):
+                x = torch.randn(n, H)
+                if layer == 2:
+                    x = x.t().contiguous().t()  # strided
+                pending = a.send_attn_output(x, LayerCall(layer, stage))
+                assert (a._compiled is not None and pending.state is a._compiled) == (
+                    a._compiled is not None and x.is_contiguous() and n > 0)
+                sent.append((x, pending))
+            for x, pending in sent:
+                assert torch.equal(a.recv_ffn_output(pending), x * 2)
+        a.end_step()
+    t.join(30)
+    assert not errors, errors
+    assert compiled == [f._compiled is not None and 0 not in stage_rows
+                        for stage_rows in steps]
+
+
+def test_rows_reach_the_metrics(either):
+    a, f = either
+    before = a._rec.routed_rows.get(0, 0)
+    t, errors, _ = serve(f, 1)
+    a.begin_step(StepMetadata(0, StepKind.RUN, (3, 2)))
+    for layer in LAYERS:
+        for stage, n in enumerate((3, 2)):
+            a.recv_ffn_output(a.send_attn_output(torch.ones(n, H), LayerCall(layer, stage)))
+    a.end_step()
+    t.join(30)
+    assert not errors
+    assert a._rec.routed_rows[0] == before + 10
+
+
+def test_attention_misuse_is_named(either):
+    a, f = either
+    t, errors, _ = serve(f, 1)
+    a.begin_step(StepMetadata(0, StepKind.RUN, (1, 1)))
+    x = torch.ones(1, H)
+    with pytest.raises(ValueError, match="announced 1"):
+        a.send_attn_output(torch.ones(2, H), LayerCall(1, 0))
+    pending = a.send_attn_output(x, LayerCall(1, 0))
+    with pytest.raises(RuntimeError, match="sent twice"):
+        a.send_attn_output(x, LayerCall(1, 0))
+    with pytest.raises(RuntimeError, match=r"still unreceived: \[LayerCall\(layer_idx=1, "
+                                           r"stage=0\)\]"):
+        a.begin_step(StepMetadata(1, StepKind.RUN, (1, 1)))
+    assert torch.equal(a.recv_ffn_output(pending), x * 2)
+    with pytest.raises(RuntimeError, match="not in flight"):
+        a.recv_ffn_output(pending)
+    for call in (LayerCall(1, 1), LayerCall(2, 0), LayerCall(2, 1)):
+        a.recv_ffn_output(a.send_attn_output(x, call))
+    a.end_step()
+    t.join(30)
+    assert not errors
+
+
+def test_ffn_misuse_is_named(pair):
+    a, f = pair
+    a.begin_step(StepMetadata(0, StepKind.RUN, (1, 1)))
+    pending = a.send_attn_output(torch.ones(1, H), LayerCall(1, 0))
+    f.recv_step()
+    with pytest.raises(RuntimeError, match=r"recv_layer\(layer 1, stage 1\) while layer 1 "
+                                           r"stage 0 is next"):
+        f.recv_layer(1, 1)
+    item = f.recv_layer(0, 1)
+    with pytest.raises(ValueError, match="FFN output of shape"):
+        f.send_ffn_output(torch.ones(2, H), item)
+    with pytest.raises(RuntimeError, match=r"recv_layer\(layer 2, stage 0\) while layer 1 "
+                                           r"stage 0 is being served"):
+        f.recv_layer(0, 2)
+    f.send_ffn_output(item.hidden_states, item)
+    with pytest.raises(RuntimeError, match="send_ffn_output for layer 1 stage 0 of step 0 while "
+                                           "layer 1 stage 1 is next"):
+        f.send_ffn_output(item.hidden_states, item)
+    with pytest.raises(RuntimeError, match="layer 1 stage 1 of step 0 is unserved"):
+        f.recv_step()
+    assert torch.equal(a.recv_ffn_output(pending), torch.ones(1, H))
+
+
+def test_a_silent_peer_times_out_naming_the_wait():
+    a, f = gloo_pair(timeout_s=1.0)
+    try:
+        a.begin_step(StepMetadata(0, StepKind.RUN, (1, 1)))
+        pending = a.send_attn_output(torch.ones(1, H), LayerCall(1, 0))
+        start = time.monotonic()
+        with pytest.raises(AFDTimeoutError, match=r"no the FFN result of layer 1 stage 0 from FFN "
+                                                  r"rank 0 \(global 1\) within 1.0 s"):
+            a.recv_ffn_output(pending)
+        assert time.monotonic() - start < 5
+    finally:
+        a.close()
+        f.close()
+
+
+def test_a_lost_peer_is_named_on_either_side():
+    a, f = gloo_pair()
+    try:
+        a.begin_step(StepMetadata(0, StepKind.RUN, (1, 1)))
+        f.recv_step()
+        pending = a.send_attn_output(torch.ones(1, H), LayerCall(1, 0))
+        threading.Timer(0.3, f.close).start()
+        with pytest.raises(AFDPeerError, match=r"lost FFN rank 0 \(global 1\) while waiting for "
+                                               r"the FFN result of layer 1 stage 0: .*closed"):
+            a.recv_ffn_output(pending)
+    finally:
+        a.close()
+        f.close()
+    a, f = gloo_pair()
+    try:
+        a.begin_step(StepMetadata(0, StepKind.RUN, (1, 1)))
+        f.recv_step()
+        threading.Timer(0.3, a.close).start()
+        with pytest.raises(AFDPeerError, match=r"lost attention rank 0 \(global 0\) while "
+                                               r"waiting for hidden states of layer 1 stage 0"):
+            f.recv_layer(0, 1)
+    finally:
+        a.close()
+        f.close()
