@@ -19,7 +19,12 @@ and ``end_step``, neither loop for the gap. Its first layer is printed beside ra
 gap. A third loop, "bare", is the least a connector written in Python does per layer: the same
 calls behind one method per primitive, no checks and no bookkeeping, the FFN side's receive
 buffers reused and the attention side's result allocated per call (the model owns what a
-connector returns). It says how much of the connector's extra is Python as such.
+connector returns). It says how much of the connector's extra is Python as such. The connector
+runs its compiled one-link path where afd-common was built with it
+(``afd_common.transport.one_link``; the header says which); then "python" is the same connector
+on its Python path (``AFD_ONE_LINK=0`` while it opens) for a step after the bare loop, against
+raw: what compiling the path changed, side by side. ``--breakdown`` measures the Python path
+(its wrapper times the group calls that path makes from Python).
 
 Each side's main thread's CPU per layer (``time.thread_time``) is printed for the connector and
 the bare loop (not with ``--breakdown``, whose timing wrapper runs in the connector's loop only):
@@ -82,6 +87,21 @@ def shape(layers: int) -> ModelShape:
 def config(role: str, port: int):
     return parse_afd_config({"role": role, "port": port, "connector": "P2pAFDConnector",
                              "connector_extra_config": {"timeout_s": 60}})
+
+
+def python_path(role: str, port: int, layers: int):
+    """The connector again, on its Python path (``one_link.ENV`` set while it opens), for the
+    ``python`` column; None where the compiled path is not in use (the connector is this one)."""
+    if not one_link.available():
+        return None
+    conn = resolve_connector("P2pAFDConnector", role)(config(role, port), 0, shape(layers))
+    os.environ[one_link.ENV] = "0"
+    try:
+        conn.init()
+    finally:
+        del os.environ[one_link.ENV]
+    assert conn._compiled is None
+    return conn
 
 
 def raw_group(rank: int, port: int):
@@ -293,6 +313,7 @@ def ffn_main(args, ports, q) -> None:
     raw = bare_group = raw_group(1, ports[1])
     cpu: dict[int, list] = {}  # tokens -> (connector, bare) main-thread CPU per step, ns
     with conn:
+        py = python_path("ffn", ports[2], args.layers)
         logs, raw = timed(conn, raw, args)
         while True:
             start = time.thread_time_ns()
@@ -329,6 +350,14 @@ def ffn_main(args, ports, q) -> None:
                 bare.send_ffn_output(bare.recv_layer(), layer, layer + 1 == args.layers)
             bare.finish()
             cpu.setdefault(t, []).append((connector, time.thread_time_ns() - start))
+            if py is not None:  # and the connector's Python path
+                py.recv_step()
+                for layer in range(args.layers):
+                    item = py.recv_layer(0, layer)
+                    py.send_ffn_output(item.hidden_states, item)
+                py.end_step()
+    if py is not None:
+        py.close()
     q.put(("ffn", (logs, {t: v[WARMUP:] for t, v in cpu.items()})))
 
 
@@ -345,7 +374,9 @@ def summary(stamps, served, layers: int) -> dict:
     per = {"connector": [], "raw": [], "bare": [], "steady": [], "raw_steady": [],
            "first": [], "raw_first": [], "served": [], "raw_served": [], "served_first": [],
            "raw_served_first": []}
-    for (c0, c1, c2, r1, r2, b2), (sc, sr, sc1, sr1) in zip(stamps, served):
+    for (c0, c1, c2, r1, r2, b2, *p2), (sc, sr, sc1, sr1) in zip(stamps, served):
+        if p2:  # the Python path's step, after the bare loop
+            per.setdefault("python", []).append((p2[0] - b2) / layers)
         for key, v in (("connector", (c2 - c0) / layers), ("raw", (r2 - c2) / layers),
                        ("bare", (b2 - r2) / layers), ("steady", (c2 - c1) / (layers - 1)),
                        ("raw_steady", (r2 - r1) / (layers - 1)), ("first", c1 - c0),
@@ -355,8 +386,9 @@ def summary(stamps, served, layers: int) -> dict:
             per[key].append(v)
     out = {key: statistics.median(v) for key, v in per.items()}
     for key, ref in (("connector", "raw"), ("bare", "raw"), ("steady", "raw_steady"),
-                     ("served", "raw_served")):
-        out[key + "_ratio"] = statistics.median(a / b for a, b in zip(per[key], per[ref]))
+                     ("served", "raw_served"), ("python", "raw")):
+        if key in per:
+            out[key + "_ratio"] = statistics.median(a / b for a, b in zip(per[key], per[ref]))
     return out
 
 
@@ -419,6 +451,7 @@ def attention_main(args, ports, q) -> None:
     results = {}
     step = 0
     with conn:
+        py = python_path("attention", ports[2], args.layers)
         logs, raw = timed(conn, raw, args)
         for t in args.tokens:
             x = torch.randn(t, H).to(torch.bfloat16)
@@ -442,6 +475,13 @@ def attention_main(args, ports, q) -> None:
                     z = bare.recv_ffn_output(bare.send_attn_output(x))
                 now.append(time.perf_counter())
                 cpu.append((connector_cpu, time.thread_time_ns() - cpu_start))
+                if py is not None:
+                    py.begin_step(StepMetadata(step, StepKind.RUN, (t,)))
+                    for layer in range(args.layers):
+                        w = py.recv_ffn_output(py.send_attn_output(x, LayerCall(layer)))
+                    py.end_step()
+                    now.append(time.perf_counter())
+                    assert torch.equal(w, x)
                 step += 2  # even: followed by the raw and the bare loop (ffn_main)
                 if rep >= WARMUP:
                     stamps.append(now)
@@ -454,6 +494,8 @@ def attention_main(args, ports, q) -> None:
             assert torch.equal(y, x) and torch.equal(back, x) and torch.equal(z, x)
             results[t] = summary(stamps, served, args.layers)
             results[t]["cpu"] = cpu[WARMUP:]
+        if py is not None:
+            py.close()
     q.put(("attention", (results, logs)))
 
 
@@ -477,7 +519,7 @@ def main(argv=None) -> int:
         ap.error("--layers must be at least 2 (the steady ratio leaves out each step's first)")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ports = (free_port(), free_port())
+    ports = (free_port(), free_port(), free_port())
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # vLLM's CPU build asks for tcmalloc (LD_PRELOAD), which keeps freed memory for the next
     # allocation. glibc's malloc gives a freed 2 MiB buffer back to the OS and faults the next
@@ -513,11 +555,13 @@ def main(argv=None) -> int:
         "compiled (afd_common.transport.one_link)" if one_link.available() else
         f"Python ({one_link.ENV}=0{', for --breakdown' if args.breakdown else ''}, or not built)"))
     print(f"{'T':>5} {'connector ms':>13} {'raw ms':>8} {'ratio':>6} {'steady':>7} "
-          f"{'served':>7} {'bare':>6} {'1st layer us':>13} {'served':>11}")
+          f"{'served':>7} {'bare':>6} {'python':>7} {'1st layer us':>13} {'served':>11}")
     for t, r in results.items():
+        python = f"{r['python_ratio']:>7.2f}" if "python_ratio" in r else f"{'--':>7}"
         print(f"{t:>5} {r['connector'] * 1e3:>13.3f} {r['raw'] * 1e3:>8.3f} "
               f"{r['connector_ratio']:>6.2f} {r['steady_ratio']:>7.2f} {r['served_ratio']:>7.2f} "
-              f"{r['bare_ratio']:>6.2f} {r['first'] * 1e6:>6.0f}/{r['raw_first'] * 1e6:<6.0f} "
+              f"{r['bare_ratio']:>6.2f} {python} "
+              f"{r['first'] * 1e6:>6.0f}/{r['raw_first'] * 1e6:<6.0f} "
               f"{r['served_first'] * 1e6:>5.0f}/{r['raw_served_first'] * 1e6:<5.0f}")
     worst = max(r["connector_ratio"] for r in results.values())
     print(f"worst ratio {worst:.2f} (target <= 1.10)")

@@ -96,12 +96,12 @@ def serve(f, steps: int, result=lambda item: item.hidden_states * 2):
     return t, errors, compiled
 
 
-@pytest.mark.parametrize("rows", [(3, 2), (0, 2), (4, 0), (1, 1)])
+@pytest.mark.parametrize("rows", [(3, 2), (0, 2), (4, 0), (1, 1), (0, 0)])
 def test_results_match_and_steps_without_rows_in_a_stage_take_the_python_path(either, rows):
     """Strided tensors on either side too: the attention side hands them to the Python path
     (mixing both on one link in a step), the FFN side sends a contiguous copy."""
     a, f = either
-    steps = [rows, (2, 3), rows]
+    steps = [rows, (2, 3), rows, (1, 1)]
     t, errors, compiled = serve(f, len(steps), result=lambda item: (item.hidden_states * 2).t()
                                 .contiguous().t())
     for step, stage_rows in enumerate(steps):
@@ -183,6 +183,23 @@ def test_ffn_misuse_is_named(pair):
     with pytest.raises(RuntimeError, match="layer 1 stage 1 of step 0 is unserved"):
         f.recv_step()
     assert torch.equal(a.recv_ffn_output(pending), torch.ones(1, H))
+
+
+def test_ffn_calls_after_the_step_is_served_are_named(pair):
+    a, f = pair
+    a.begin_step(StepMetadata(0, StepKind.RUN, (2,)))
+    f.recv_step()
+    for layer in LAYERS:
+        pending = a.send_attn_output(torch.ones(2, H), LayerCall(layer))
+        item = f.recv_layer(0, layer)
+        f.send_ffn_output(item.hidden_states, item)
+        a.recv_ffn_output(pending)
+    with pytest.raises(RuntimeError, match=r"recv_layer\(layer 1, stage 0\) while step 0 is "
+                                           "served"):
+        f.recv_layer(0, 1)
+    with pytest.raises(RuntimeError, match="send_ffn_output for layer 2 stage 0 of step 0 while "
+                                           "step 0 is served"):
+        f.send_ffn_output(item.hidden_states, item)
 
 
 def test_a_silent_peer_times_out_naming_the_wait():

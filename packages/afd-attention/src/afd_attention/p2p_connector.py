@@ -4,6 +4,10 @@ torch.distributed point-to-point: Gloo on CPU, NCCL on CUDA (``connector_extra_c
 overrides). Rank layout and the A:F mapping: ``afd_common.topology``; message layout and the order
 of operations on a link: ``afd_common.transport.p2p``.
 
+Where every row of this rank goes to one FFN rank over Gloo, the round trip is compiled
+(``afd_common.transport.one_link``); the Python below serves every other case, and names what is
+wrong with a call the compiled path refuses.
+
 Replicated experts: this rank's rows go to its FFN peer(s) as the topology splits them. Sharded
 experts (M2N): a row goes to every FFN rank that owns one of its top-k experts, after a row
 count; the partial results come back from each and are added in FFN-rank order.
@@ -181,10 +185,10 @@ class P2pAttentionConnector(AttentionConnector):
                                 self.timeouts.current_s)
 
     def _unreceived(self) -> list[LayerCall]:
-        calls = super()._unreceived()
-        if self._compiled is not None:
-            calls = sorted(calls + [LayerCall(*c) for c in self._compiled.in_flight()])
-        return calls
+        compiled = self._compiled
+        if compiled is None or not compiled.num_in_flight():  # each step's begin asks
+            return super()._unreceived()
+        return sorted(self._inflight | {LayerCall(*c) for c in compiled.in_flight()})
 
     def _release(self, net) -> None:
         try:

@@ -15,6 +15,10 @@ the post goes out in the same call as the send (``PeerIO.send_then_post``): the 
 race with it. The order of operations on every link stays the one ``p2p`` lists (it is only
 earlier in time), so in-order transports (NCCL, HCCL) are as safe as before.
 
+Where one attention rank over Gloo sends every stage's rows, the step is served by the compiled
+link (``afd_common.transport.one_link``), which does the same in the same order; the Python
+here serves the other steps and names what is wrong with a call the compiled link refuses.
+
 The next step's first receive waits for its plan. Posting it earlier on Gloo (when a step's last
 result goes out, sized by max_num_tokens, Gloo taking a shorter message into a longer receive)
 was tried and measured slower at every size, steady layers included (median of five alternating
@@ -139,8 +143,18 @@ class P2pFFNConnector(ScheduledFFNConnector):
             self._net.control.post_next()
 
     def recv_layer(self, stage_idx, layer_idx, max_num_tokens=None) -> WorkItem:
-        if self._compiled_step:
-            return self._recv_compiled(stage_idx, layer_idx, max_num_tokens)
+        if self._compiled_step:  # inline: a call more costs a cold frame on the round trip
+            if max_num_tokens is not None:
+                self._stage_sources(stage_idx, max_num_tokens, layer_idx)
+            try:
+                hidden = self._compiled.recv(stage_idx, layer_idx, self.timeouts.current_s)
+            except LinkError as e:
+                raise self._link_failure(e, layer_idx, stage_idx) from None
+            if hidden is None:
+                self._not_next(stage_idx, layer_idx)
+            return new_tuple(WorkItem, (hidden, new_tuple(WorkItemMeta, (
+                layer_idx, stage_idx, self._plan.step, self._sources[stage_idx], False,
+                self._kind)), None, None, None))
         posted, self._posted = self._posted, None
         net = self._net
         if (posted is None or posted.layer_idx != layer_idx or posted.stage != stage_idx
@@ -322,35 +336,26 @@ class P2pFFNConnector(ScheduledFFNConnector):
         self._frame_due = False
         self._net.control.post_next()
 
-    def _recv_compiled(self, stage_idx: int, layer_idx: int, max_num_tokens: int | None):
-        """``recv_layer`` where the compiled link serves the step."""
-        if max_num_tokens is not None:
-            self._stage_sources(stage_idx, max_num_tokens, layer_idx)
-        try:
-            hidden = self._compiled.recv(stage_idx, layer_idx, self.timeouts.current_s)
-        except LinkError as e:
-            raise self._link_failure(e, layer_idx, stage_idx) from None
-        if hidden is None:
-            self._stage_sources(stage_idx, max_num_tokens, layer_idx)  # names a bad call
-            layer, stage, serving = self._compiled.expected()
-            raise RuntimeError(
-                f"recv_layer(layer {layer_idx}, stage {stage_idx}) while layer {layer} stage "
-                f"{stage} is {'being served' if serving else 'next'}: the scheduled loop serves "
-                "the MoE layers in order, each layer's stages in order")
-        return new_tuple(WorkItem, (hidden, new_tuple(WorkItemMeta, (
-            layer_idx, stage_idx, self._plan.step, self._sources[stage_idx], False,
-            self._kind)), None, None, None))
+    def _not_next(self, stage_idx: int, layer_idx: int) -> None:
+        """Why the compiled link refused ``recv_layer``: a bad call, or not the one next."""
+        self._stage_sources(stage_idx, None, layer_idx)
+        raise RuntimeError(f"recv_layer(layer {layer_idx}, stage {stage_idx}) while "
+                           f"{self._compiled_position()}: the scheduled loop serves the MoE "
+                           "layers in order, each layer's stages in order")
 
     def _refused_output(self, output: torch.Tensor, meta: WorkItemMeta) -> None:
         """Why the compiled link refused a result: its shape, or not the item being served."""
         self._check_output(output, meta.num_tokens)
-        expected = self._compiled.expected()
-        now = (f"layer {expected[0]} stage {expected[1]} is "
-               f"{'being served' if expected[2] else 'next'}" if expected
-               else f"step {self._plan.step} is served")
         raise RuntimeError(f"send_ffn_output for layer {meta.layer_idx} stage {meta.stage} of "
-                           f"step {meta.step} while {now}: each item's result is sent once, "
-                           "in the order served")
+                           f"step {meta.step} while {self._compiled_position()}: each item's "
+                           "result is sent once, in the order served")
+
+    def _compiled_position(self) -> str:
+        expected = self._compiled.expected()
+        if expected is None:
+            return f"step {self._plan.step} is served"
+        layer, stage, serving = expected
+        return f"layer {layer} stage {stage} is {'being served' if serving else 'next'}"
 
     def _link_failure(self, e: LinkError, layer_idx: int, stage_idx: int) -> Exception:
         return one_link.failure(
