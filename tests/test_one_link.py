@@ -16,11 +16,11 @@ from afd_common.transport import one_link
 from connector_pair import open_pair
 
 H = 8
-LAYERS = (1, 2)
+LAYERS = (1, 2, 3)  # three: a stage's ring reuses layer 1's buffer for layer 3
 
 
 def gloo_pair(timeout_s: float = 10.0, dtype=torch.float32):
-    shape = ModelShape(hidden_size=H, dtype=dtype, num_layers=3, moe_layers=LAYERS,
+    shape = ModelShape(hidden_size=H, dtype=dtype, num_layers=4, moe_layers=LAYERS,
                        architecture="t")
     return open_pair("P2pAFDConnector", shape,
                      {"num_micro_batches": 2, "timeout_s": timeout_s, "backend": "gloo"})
@@ -39,6 +39,8 @@ def either(request, monkeypatch):
     """A pair on either path: what both must do alike."""
     if request.param == "python":
         monkeypatch.setenv(one_link.ENV, "0")
+    else:
+        monkeypatch.delenv(one_link.ENV, raising=False)
     a, f = gloo_pair()
     assert (a._compiled is not None) == (request.param == "compiled")
     yield a, f
@@ -50,6 +52,16 @@ def test_the_compiled_module_is_built():
     """CI builds it (a compiler is there): a missing module would silently test the Python path
     twice."""
     assert one_link.available()
+
+
+def test_a_module_built_for_another_torch_is_not_used(monkeypatch):
+    said = []
+    monkeypatch.setattr(one_link.logger, "warning", lambda msg, *args: said.append(msg % args))
+    monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
+    assert one_link._load() is None
+    built = one_link._module.torch_version
+    assert said and f"built against torch {built}, this is torch 2.99.0" in said[0], said
+    assert "reinstall afd-common" in said[0]
 
 
 def test_a_one_to_one_link_is_compiled_on_both_sides(pair):
@@ -136,7 +148,7 @@ def test_rows_reach_the_metrics(either):
     a.end_step()
     t.join(30)
     assert not errors
-    assert a._rec.routed_rows[0] == before + 10
+    assert a._rec.routed_rows[0] == before + 5 * len(LAYERS)
 
 
 def test_attention_misuse_is_named(either):
@@ -155,8 +167,28 @@ def test_attention_misuse_is_named(either):
     assert torch.equal(a.recv_ffn_output(pending), x * 2)
     with pytest.raises(RuntimeError, match="not in flight"):
         a.recv_ffn_output(pending)
-    for call in (LayerCall(1, 1), LayerCall(2, 0), LayerCall(2, 1)):
+    for call in [LayerCall(1, 1)] + [LayerCall(layer, s) for layer in LAYERS[1:] for s in (0, 1)]:
         a.recv_ffn_output(a.send_attn_output(x, call))
+    a.end_step()
+    t.join(30)
+    assert not errors
+
+
+def test_a_call_in_flight_on_either_path_is_not_sent_again(either):
+    """A strided block takes the Python path; the same call again, contiguous, must not slip
+    into the compiled one (nor the other way round)."""
+    a, f = either
+    t, errors, _ = serve(f, 1)
+    a.begin_step(StepMetadata(0, StepKind.RUN, (2, 2)))
+    strided, x = torch.ones(H, 2).t(), torch.ones(2, H)
+    for first, again, call in ((strided, x, LayerCall(1, 0)), (x, strided, LayerCall(1, 1))):
+        pending = a.send_attn_output(first, call)
+        with pytest.raises(RuntimeError, match="sent twice"):
+            a.send_attn_output(again, call)
+        assert torch.equal(a.recv_ffn_output(pending), x * 2)
+    for layer in LAYERS[1:]:
+        for stage in (0, 1):
+            a.recv_ffn_output(a.send_attn_output(x, LayerCall(layer, stage)))
     a.end_step()
     t.join(30)
     assert not errors
@@ -197,7 +229,7 @@ def test_ffn_calls_after_the_step_is_served_are_named(pair):
     with pytest.raises(RuntimeError, match=r"recv_layer\(layer 1, stage 0\) while step 0 is "
                                            "served"):
         f.recv_layer(0, 1)
-    with pytest.raises(RuntimeError, match="send_ffn_output for layer 2 stage 0 of step 0 while "
+    with pytest.raises(RuntimeError, match="send_ffn_output for layer 3 stage 0 of step 0 while "
                                            "step 0 is served"):
         f.send_ffn_output(item.hidden_states, item)
 

@@ -4,8 +4,9 @@
 Optional: where no C++ compiler is found (a slim container) the wheel is pure Python and the
 connector runs its Python path (``afd_common.transport.one_link``); ``AFD_BUILD_ONE_LINK=0``
 skips it on purpose. A compiler that fails is an error, not a silent fallback. The module only
-loads into the torch and Python it was built against: the build requirements pin the runtime's
-torch, and an unchanged build (same source, torch, Python and flags) is reused, so ``uv sync``
+loads into the torch and Python it was built against: the build requirements pin torch (the
+workspace runs that one), ``afd_common.transport.one_link`` refuses the module under another
+torch release, and an unchanged build (same source, torch, Python and flags) is reused, so ``uv sync``
 after the first is free.
 """
 
@@ -41,7 +42,9 @@ def _command():
     includes = [f"-isystem{p}" for p in (root / "include",
                                           root / "include" / "torch" / "csrc" / "api" / "include",
                                           sysconfig.get_paths()["include"])]
-    libs = [f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
+    # torch is imported first anyway; the rpath lets the module load on its own in a wheel too.
+    libs = [f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python",
+            "-Wl,-rpath,$ORIGIN/../../torch/lib"]
     return torch.__version__, cxx, flags, includes, libs
 
 

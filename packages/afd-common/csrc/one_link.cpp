@@ -11,11 +11,13 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/headeronly/version.h>
 
 #include <ATen/ATen.h>
 
 #include <chrono>
 #include <deque>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -26,76 +28,103 @@ namespace {
 constexpr int64_t kMaxStages = 64;  // afd_common.metadata.MAX_STAGES: tags are layer * 64 + stage
 
 // A failure on the wire: kind is "send" (posting a send), "post" (posting a receive), "wait" (a
-// receive's wait) or "settle" (a send's wait); detail is the backend's first line.
+// receive's wait) or "settle" (a send's wait); detail is the backend's message, without c10's
+// backtrace (PeerIO.failure takes its first line, and looks for a timeout in all of it).
 struct LinkError {
   std::string kind;
   std::string detail;
 };
 
+// LinkError's Python type (a RuntimeError), made once and never freed: nothing to tear down
+// after the interpreter is gone.
 PyObject* link_error_type = nullptr;
 
-std::string first_line(const std::exception& e) {
+std::string message(const std::exception& e) {
   const auto* c10e = dynamic_cast<const c10::Error*>(&e);
-  std::string msg = c10e ? c10e->what_without_backtrace() : e.what();
-  auto start = msg.find_first_not_of(" \n\t");
-  if (start == std::string::npos) return "RuntimeError";
-  msg = msg.substr(start);
-  auto end = msg.find('\n');
-  return end == std::string::npos ? msg : msg.substr(0, end);
+  return c10e ? c10e->what_without_backtrace() : e.what();
 }
 
 std::chrono::milliseconds bound(double timeout_s) {
   return std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
 }
 
-// One link's sends, kept until known taken: PeerIO's bookkeeping for one peer.
+// One link's sends, kept until known taken: PeerIO's bookkeeping for one peer. Locked: the
+// serving thread settles them without the GIL while another thread may close the connector
+// (flush); the waits themselves run unlocked.
 class Sends {
  public:
   void keep(c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor) {
+    std::lock_guard<std::mutex> lock(mutex_);
     sends_.push_back({std::move(work), std::move(tensor)});
   }
   // Before waiting for a reply: the sends the previous reply proved taken are waited on, and this
   // reply will prove the rest. Called without the GIL.
   void settle_proved(double timeout_s) {
-    size_t n = proved_;
-    proved_ = 0;
+    size_t n;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      n = proved_;
+      proved_ = 0;
+    }
     settle(n, timeout_s);
+    std::lock_guard<std::mutex> lock(mutex_);
     proved_ = sends_.size();
   }
-  void reply_failed() { proved_ = 0; }
-  void settle_all(double timeout_s) {
+  void reply_failed() {
+    std::lock_guard<std::mutex> lock(mutex_);
     proved_ = 0;
-    settle(sends_.size(), timeout_s);
+  }
+  void settle_all(double timeout_s) {
+    size_t n;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      proved_ = 0;
+      n = sends_.size();
+    }
+    settle(n, timeout_s);
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    sends_.clear();
+    proved_ = 0;
   }
 
  private:
-  void settle(size_t n, double timeout_s) {
-    for (; n > 0 && !sends_.empty(); --n) {
-      auto sent = std::move(sends_.front());
-      sends_.pop_front();
-      try {
-        sent.work->wait(bound(timeout_s));
-      } catch (const std::exception& e) {
-        throw LinkError{"settle", first_line(e)};
-      }
-    }
-  }
   struct Sent {
     c10::intrusive_ptr<c10d::Work> work;
     at::Tensor tensor;
   };
+  void settle(size_t n, double timeout_s) {
+    for (; n > 0; --n) {
+      Sent sent;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (sends_.empty()) return;
+        sent = std::move(sends_.front());
+        sends_.pop_front();
+      }
+      try {
+        sent.work->wait(bound(timeout_s));
+      } catch (const std::exception& e) {
+        throw LinkError{"settle", message(e)};
+      }
+    }
+  }
+  std::mutex mutex_;
   std::deque<Sent> sends_;
   size_t proved_ = 0;
 };
 
-// Post a send or a receive of one tensor.
-c10::intrusive_ptr<c10d::Work> post(c10d::Backend& pg, bool send, const at::Tensor& t, int peer,
-                                    int tag) {
+// Post a send or a receive of one tensor, without the GIL as torch's own bindings do.
+// ``pg`` by value: a close on another thread cannot free the group under the call.
+c10::intrusive_ptr<c10d::Work> post(c10::intrusive_ptr<c10d::Backend> pg, bool send,
+                                    const at::Tensor& t, int peer, int tag) {
+  py::gil_scoped_release nogil;
   std::vector<at::Tensor> v{t};
   try {
-    return send ? pg.send(v, peer, tag) : pg.recv(v, peer, tag);
+    return send ? pg->send(v, peer, tag) : pg->recv(v, peer, tag);
   } catch (const std::exception& e) {
-    throw LinkError{send ? "send" : "post", first_line(e)};
+    throw LinkError{send ? "send" : "post", message(e)};
   }
 }
 
@@ -107,7 +136,7 @@ void wait_reply(Sends& sends, c10d::Work& work, double timeout_s) {
     work.wait(bound(timeout_s));
   } catch (const std::exception& e) {
     sends.reply_failed();
-    throw LinkError{"wait", first_line(e)};
+    throw LinkError{"wait", message(e)};
   }
 }
 
@@ -132,6 +161,12 @@ class Link {
   }
 
  protected:
+  // The connector closed: let go of the group and the sends; every call is refused from now on.
+  void release() {
+    pg_.reset();
+    sends_.clear();
+  }
+
   c10::intrusive_ptr<c10d::Backend> pg_;
   int peer_;
   at::ScalarType dtype_;
@@ -152,7 +187,7 @@ class AttentionLink : public Link {
 
   // Send and post its answer's receive, or false where the Python path must take the call.
   bool send(const at::Tensor& h, int64_t layer, int64_t stage) {
-    if (layer < 0 || layer >= static_cast<int64_t>(moe_.size()) || !moe_[layer] || stage < 0 ||
+    if (!pg_ || layer < 0 || layer >= static_cast<int64_t>(moe_.size()) || !moe_[layer] || stage < 0 ||
         stage >= static_cast<int64_t>(rows_.size()) || stage >= kMaxStages)
       return false;
     Slot& slot = slots_[layer * kMaxStages + stage];
@@ -162,10 +197,10 @@ class AttentionLink : public Link {
     at::Tensor out = spare_.defined() && spare_.sizes() == h.sizes() ? spare_ : at::empty_like(h);
     spare_ = at::Tensor();
     int tag = static_cast<int>(layer * kMaxStages + stage);
-    auto sent = post(*pg_, true, h, peer_, tag);
+    auto sent = post(pg_, true, h, peer_, tag);
     c10::intrusive_ptr<c10d::Work> posted;
     try {
-      posted = post(*pg_, false, out, peer_, tag);
+      posted = post(pg_, false, out, peer_, tag);
     } catch (const LinkError&) {
       sends_.keep(std::move(sent), h);
       throw;
@@ -215,6 +250,8 @@ class AttentionLink : public Link {
   void drop() {
     for (auto& slot : slots_) slot = Slot{};
     in_flight_ = 0;
+    spare_ = at::Tensor();
+    release();
   }
 
  private:
@@ -243,7 +280,7 @@ class FFNLink : public Link {
   // it.
   bool begin(std::vector<int64_t> stage_rows) {
     state_ = State::kIdle;
-    if (layers_.empty() || stage_rows.empty() ||
+    if (!pg_ || layers_.empty() || stage_rows.empty() ||
         static_cast<int64_t>(stage_rows.size()) > kMaxStages)
       return false;
     for (auto n : stage_rows) {
@@ -253,7 +290,7 @@ class FFNLink : public Link {
     if (rings_.size() < rows_.size()) rings_.resize(rows_.size());
     layer_pos_ = 0;
     stage_ = 0;
-    work_ = post(*pg_, false, next_buffer(), peer_, tag());
+    work_ = post(pg_, false, next_buffer(), peer_, tag());
     state_ = State::kPosted;
     return true;
   }
@@ -282,13 +319,13 @@ class FFNLink : public Link {
       return false;
     at::Tensor out = output.is_contiguous() ? output : output.contiguous();
     state_ = State::kIdle;  // until the next receive is posted
-    auto sent = post(*pg_, true, out, peer_, tag());
+    auto sent = post(pg_, true, out, peer_, tag());
     if (!advance()) {
       sends_.keep(std::move(sent), out);
       return true;
     }
     try {
-      work_ = post(*pg_, false, next_buffer(), peer_, tag());
+      work_ = post(pg_, false, next_buffer(), peer_, tag());
     } catch (const LinkError&) {
       sends_.keep(std::move(sent), out);
       throw;
@@ -308,6 +345,7 @@ class FFNLink : public Link {
   void drop() {
     work_.reset();
     state_ = State::kIdle;
+    release();
   }
 
  private:
@@ -352,9 +390,18 @@ class FFNLink : public Link {
 
 PYBIND11_MODULE(_one_link, m) {
   m.doc() = "The P2P connector's one-link round trip (afd_common.transport.one_link).";
-  static py::exception<LinkError> error(m, "LinkError");
-  link_error_type = error.ptr();
-  py::register_exception_translator([](std::exception_ptr p) {
+  // The torch this was compiled against: one_link refuses the module under another.
+  m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." +
+                            std::to_string(TORCH_VERSION_MINOR) + "." +
+                            std::to_string(TORCH_VERSION_PATCH);
+  if (link_error_type == nullptr) {
+    link_error_type = PyErr_NewExceptionWithDoc(
+        "afd_common.transport._one_link.LinkError",
+        "A failure on the wire: args (kind, the backend's message).", PyExc_RuntimeError, nullptr);
+    if (link_error_type == nullptr) throw py::error_already_set();
+  }
+  m.attr("LinkError") = py::handle(link_error_type);
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const LinkError& e) {

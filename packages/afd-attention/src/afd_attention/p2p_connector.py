@@ -79,7 +79,7 @@ class P2pAttentionConnector(AttentionConnector):
         if link is None:
             rows = self._check_send(hidden_states, call, topk_ids, topk_weights)
         else:
-            if topk_ids is None:
+            if topk_ids is None and call not in self._inflight:  # else sent by Python already
                 try:
                     if link.send(hidden_states, *call):
                         return new_tuple(PendingResult, (call, link))

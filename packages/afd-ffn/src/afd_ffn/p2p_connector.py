@@ -261,7 +261,10 @@ class P2pFFNConnector(ScheduledFFNConnector):
             try:
                 sent = self._compiled.send(output, meta.stage, meta.layer_idx)
             except LinkError as e:
-                raise self._link_failure(e, meta.layer_idx, meta.stage) from None
+                layer, stage = meta.layer_idx, meta.stage
+                if e.args[0] == "post":  # the next item's receive failed
+                    layer, stage = self._next_of(layer, stage)
+                raise self._link_failure(e, layer, stage) from None
             if not sent:
                 self._refused_output(output, meta)
             if self._frame_due:

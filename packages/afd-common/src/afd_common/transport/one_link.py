@@ -17,25 +17,48 @@ what is wrong: the compiled side refuses what it does not expect and the Python 
 
 from __future__ import annotations
 
+import logging
 import os
 
+import torch
 import torch.distributed as dist
 
 from afd_common.transport.peer_io import PeerIO
 
-try:
-    from afd_common.transport._one_link import AttentionLink, FFNLink, LinkError
-except ImportError:  # not built: the Python path runs
-    AttentionLink = FFNLink = None
+logger = logging.getLogger("vllm.afd")
+_REMEDY = ("reinstall afd-common to compile it against this torch (`uv sync --reinstall-package "
+           "afd-common`, or `pip install --force-reinstall --no-deps afd-common`)")
 
-    class LinkError(RuntimeError):
-        """Raised only by the compiled module; never when it is absent."""
+
+def _load():
+    """The compiled module, or None (the Python path serves): not built, built for another torch
+    release, or not loadable -- the last two said once, with the remedy."""
+    try:
+        from afd_common.transport import _one_link
+    except ModuleNotFoundError:  # not built (no compiler at install): the build hook said so
+        return None
+    except ImportError as e:
+        logger.warning("AFD: the compiled one-link path does not load (%s); the P2P connector "
+                       "runs its Python path: %s", e, _REMEDY)
+        return None
+    here = torch.__version__.split("+")[0]
+    if _one_link.torch_version != here:
+        logger.warning("AFD: the compiled one-link path was built against torch %s, this is "
+                       "torch %s; the P2P connector runs its Python path: %s",
+                       _one_link.torch_version, here, _REMEDY)
+        return None
+    return _one_link
+
+
+_module = _load()
+#: What the compiled link raises: a RuntimeError with args (kind, the backend's message).
+LinkError = _module.LinkError if _module is not None else type("LinkError", (RuntimeError,), {})
 
 ENV = "AFD_ONE_LINK"
 
 
 def available() -> bool:
-    return AttentionLink is not None and os.environ.get(ENV, "1") != "0"
+    return _module is not None and os.environ.get(ENV, "1") != "0"
 
 
 def _usable(io: PeerIO | None) -> bool:
@@ -43,19 +66,29 @@ def _usable(io: PeerIO | None) -> bool:
             and isinstance(io.group, dist.ProcessGroupGloo))
 
 
-def attention_link(io: PeerIO | None, dst: int, shape) -> AttentionLink | None:
+def _make(cls_name: str, io: PeerIO, *args):
+    """A link over ``io``'s group, or None (the Python path) if it cannot be made."""
+    try:
+        return getattr(_module, cls_name)(io.group, *args)
+    except Exception as e:  # noqa: BLE001 - the Python path serves, as if it were not built
+        logger.warning("AFD: the compiled one-link path cannot serve this group (%s: %s); the "
+                       "P2P connector runs its Python path", type(e).__name__, e)
+        return None
+
+
+def attention_link(io: PeerIO | None, dst: int, shape):
     """The compiled attention half of the link to global rank ``dst``, where it can serve."""
     if not _usable(io):
         return None
-    return AttentionLink(io.group, dst, shape.dtype, shape.hidden_size, list(shape.moe_layers),
-                         shape.num_layers)
+    return _make("AttentionLink", io, dst, shape.dtype, shape.hidden_size,
+                 list(shape.moe_layers), shape.num_layers)
 
 
-def ffn_link(io: PeerIO | None, src: int, shape) -> FFNLink | None:
+def ffn_link(io: PeerIO | None, src: int, shape):
     """The compiled FFN half of the link from global rank ``src``, where it can serve."""
     if not _usable(io):
         return None
-    return FFNLink(io.group, src, shape.dtype, shape.hidden_size, list(shape.moe_layers))
+    return _make("FFNLink", io, src, shape.dtype, shape.hidden_size, list(shape.moe_layers))
 
 
 def failure(io: PeerIO, e: LinkError, peer: int, what: tuple, timeout_s: float) -> Exception:
