@@ -234,6 +234,24 @@ def test_ffn_calls_after_the_step_is_served_are_named(pair):
         f.send_ffn_output(item.hidden_states, item)
 
 
+def test_the_ffn_half_settles_its_sends_before_letting_go_of_them(pair):
+    """Closing waits (bounded) until the peer took the last results, then drops the link."""
+    a, f = pair
+    calls = []
+
+    class Recording:
+        def flush(self, timeout_s):
+            calls.append("flush")
+
+        def drop(self):
+            calls.append("drop")
+
+    real, f._compiled = f._compiled, Recording()
+    f.close()
+    real.drop()
+    assert calls == ["flush", "drop"]
+
+
 def test_a_silent_peer_times_out_naming_the_wait():
     a, f = gloo_pair(timeout_s=1.0)
     try:

@@ -368,9 +368,9 @@ class P2pFFNConnector(ScheduledFFNConnector):
     def _release(self, net) -> None:
         compiled, self._compiled, self._compiled_step = self._compiled, None, False
         if compiled is not None:
-            compiled.drop()
-            try:
+            try:  # before drop(), which lets go of the sends
                 compiled.flush(min(5.0, self.timeouts.step_s))
             except Exception:  # noqa: BLE001 - the peer may be gone; closing must not fail
                 pass
+            compiled.drop()
         super()._release(net)
