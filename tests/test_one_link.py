@@ -252,6 +252,34 @@ def test_the_ffn_half_settles_its_sends_before_letting_go_of_them(pair):
     assert calls == ["flush", "drop"]
 
 
+@pytest.mark.parametrize("kind,error,raised,words", [
+    ("send", "Connection reset", AFDPeerError, "send to FFN rank 0 failed: Connection reset"),
+    ("post", "Connection closed", AFDPeerError,
+     "lost FFN rank 0 before receiving the FFN result of layer 1 stage 0: Connection closed"),
+    ("wait", "[pair.cc:1] Timed out waiting 1000ms\nmore", AFDTimeoutError,
+     "no the FFN result of layer 1 stage 0 from FFN rank 0 within 1.0 s"),
+    ("wait", "Connection closed by peer\nsecond line", AFDPeerError,
+     "lost FFN rank 0 while waiting for the FFN result of layer 1 stage 0: Connection closed by "
+     "peer"),
+    ("settle", "line one\noperation timed out", AFDTimeoutError,
+     "FFN rank 0 did not take a message we sent within 1.0 s: line one"),
+    ("settle", "Connection closed", AFDPeerError,
+     "FFN rank 0 did not take a message we sent: Connection closed"),
+])
+def test_compiled_failures_are_worded_as_the_python_paths(kind, error, raised, words):
+    """The compiled link hands the backend's whole message over; PeerIO words it (its first line
+    shown, a timeout found anywhere in it) as it words its own."""
+    from types import SimpleNamespace
+
+    from afd_common.transport.peer_io import PeerIO
+
+    io = PeerIO(SimpleNamespace(name=lambda: "gloo"), lambda rank: f"FFN rank {rank}")
+    e = one_link.failure(io, one_link.LinkError(kind, error), 0,
+                         ("the FFN result of layer {} stage {}", 1, 0), 1.0)
+    assert type(e) is raised and str(e).startswith(words), str(e)
+    assert "second line" not in str(e) and "more" not in str(e)
+
+
 def test_a_silent_peer_times_out_naming_the_wait():
     a, f = gloo_pair(timeout_s=1.0)
     try:
