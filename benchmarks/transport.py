@@ -28,8 +28,8 @@ raw: what compiling the path changed, side by side. ``--breakdown`` measures the
 
 Each side's main thread's CPU per layer (``time.thread_time``) is printed for the connector and
 the bare loop (not with ``--breakdown``, whose timing wrapper runs in the connector's loop only):
-the connector's Python as it runs here, cold after every wait, which is what the round trip
-pays; ``--cpu`` times the same Python hot.
+the connector's code as it runs here, cold after every wait, which is what the round trip pays;
+``--cpu`` times the Python path hot.
 
 Each step of the connector is paired with the raw round trips right after it, and the ratio is
 the median of those per-pair ratios: on a shared 2-core VM both drift together by 2-10x between
@@ -306,6 +306,14 @@ def timed(conn, raw, args):
     return logs, TimedGroup(raw, logs[1])
 
 
+def serve_step(conn, layers: int) -> None:
+    """The FFN side of a step whose plan is in: each layer's rows returned as they came."""
+    for layer in range(layers):
+        item = conn.recv_layer(0, layer)
+        conn.send_ffn_output(item.hidden_states, item)
+    conn.end_step()
+
+
 def ffn_main(args, ports, q) -> None:
     torch.set_num_threads(1)
     conn = resolve_connector("P2pAFDConnector", "ffn")(config("ffn", ports[0]), 0,
@@ -323,10 +331,7 @@ def ffn_main(args, ports, q) -> None:
             served = is_served(plan.step)
             if logs:
                 conn._net.data.group.paused = raw.paused = served
-            for layer in range(args.layers):
-                item = conn.recv_layer(0, layer)
-                conn.send_ffn_output(item.hidden_states, item)
-            conn.end_step()
+            serve_step(conn, args.layers)
             connector = time.thread_time_ns() - start
             # The same number of raw round trips, right after.
             t = plan.per_source[0].stage_tokens[0]
@@ -352,10 +357,7 @@ def ffn_main(args, ports, q) -> None:
             cpu.setdefault(t, []).append((connector, time.thread_time_ns() - start))
             if py is not None:  # and the connector's Python path
                 py.recv_step()
-                for layer in range(args.layers):
-                    item = py.recv_layer(0, layer)
-                    py.send_ffn_output(item.hidden_states, item)
-                py.end_step()
+                serve_step(py, args.layers)
     if py is not None:
         py.close()
     q.put(("ffn", (logs, {t: v[WARMUP:] for t, v in cpu.items()})))
@@ -569,7 +571,7 @@ def main(argv=None) -> int:
         print_breakdown(args, attention_logs, ffn_logs)
         return 0
     print("\nmain thread's CPU per layer, median us: connector / bare loop, each side (the "
-          "Python cold after every wait, unlike --cpu)")
+          "code cold after every wait; --cpu times the Python path hot)")
     print(f"{'T':>5} {'attention':>15} {'FFN':>15}")
     for t, r in results.items():
         a, f = (thread_cpu_per_layer_us(v, args.layers) for v in (r["cpu"], ffn_cpu[t]))

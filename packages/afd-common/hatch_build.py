@@ -4,16 +4,18 @@
 Optional: where no C++ compiler is found (a slim container) the wheel is pure Python and the
 connector runs its Python path (``afd_common.transport.one_link``); ``AFD_BUILD_ONE_LINK=0``
 skips it on purpose. A compiler that fails is an error, not a silent fallback. The module only
-loads into the torch and Python it was built against: the build requirements pin torch (the
-workspace runs that one), ``afd_common.transport.one_link`` refuses the module under another
-torch release, and an unchanged build (same source, torch, Python and flags) is reused, so ``uv sync``
-after the first is free.
+loads into the torch and Python it was built against: the build requirements pin torch (so a
+build from source installs it into the build environment, compiler or not; the workspace runs
+that torch), ``afd_common.transport.one_link`` refuses the module under another torch release,
+and an unchanged build (same source, torch, Python, compiler and flags) is reused, so
+``uv sync`` after the first is free.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,7 +37,6 @@ def _command():
 
     root = Path(torch.__file__).parent  # not torch.utils.cpp_extension: it probes for CUDA
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cxx = os.environ.get("CXX", "c++")
     # -O2: at -O0 the compiled round trip measured slower than the Python one.
     flags = ["-std=c++20", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall", "-Wno-unused-parameter"]
@@ -45,7 +46,7 @@ def _command():
     # torch is imported first anyway; the rpath lets the module load on its own in a wheel too.
     libs = [f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python",
             "-Wl,-rpath,$ORIGIN/../../torch/lib"]
-    return torch.__version__, cxx, flags, includes, libs
+    return torch.__version__, flags, includes, libs
 
 
 def build_module(verbose: bool = False) -> Path | None:
@@ -54,15 +55,18 @@ def build_module(verbose: bool = False) -> Path | None:
         print("afd-common: AFD_BUILD_ONE_LINK=0, the P2P connector's one-link path stays Python",
               file=sys.stderr)
         return None
-    version, cxx, flags, includes, libs = _command()
-    if shutil.which(cxx) is None:
-        print(f"afd-common: no C++ compiler ({cxx}): the P2P connector's one-link path stays "
-              "Python (install one and reinstall afd-common to compile it)", file=sys.stderr)
+    cxx = shlex.split(os.environ.get("CXX", "c++"))  # "ccache g++" too
+    if not cxx or shutil.which(cxx[0]) is None:
+        print(f"afd-common: no C++ compiler ({shlex.join(cxx)}): the P2P connector's one-link "
+              "path stays Python (install one and reinstall afd-common to compile it)",
+              file=sys.stderr)
         return None
+    version, flags, includes, libs = _command()
     digest = hashlib.sha256()
     # Not the include/library paths: every isolated build env has its own copy of the same torch.
-    for part in (version, sys.version, cxx, *flags, SOURCE.read_text()):
-        digest.update(part.encode())
+    for part in (version, sys.version, *cxx, *flags, *libs, SOURCE.read_text()):
+        if not part.startswith("-L"):
+            digest.update(part.encode())
     stamp = digest.hexdigest()
     if OUT.exists() and STAMP.exists() and STAMP.read_text() == stamp:
         return OUT
@@ -70,9 +74,9 @@ def build_module(verbose: bool = False) -> Path | None:
     print(f"afd-common: compiling the P2P one-link path against torch {version} ...",
           file=sys.stderr, flush=True)
     tmp = OUT.with_name(OUT.name + ".tmp")
-    cmd = [cxx, *flags, *includes, str(SOURCE), *libs, "-o", str(tmp)]
+    cmd = [*cxx, *flags, *includes, str(SOURCE), *libs, "-o", str(tmp)]
     if verbose:
-        print(" ".join(cmd), file=sys.stderr)
+        print(shlex.join(cmd), file=sys.stderr)
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"afd-common: compiling {SOURCE.name} failed (AFD_BUILD_ONE_LINK=0 "

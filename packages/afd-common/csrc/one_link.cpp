@@ -187,8 +187,8 @@ class AttentionLink : public Link {
 
   // Send and post its answer's receive, or false where the Python path must take the call.
   bool send(const at::Tensor& h, int64_t layer, int64_t stage) {
-    if (!pg_ || layer < 0 || layer >= static_cast<int64_t>(moe_.size()) || !moe_[layer] || stage < 0 ||
-        stage >= static_cast<int64_t>(rows_.size()) || stage >= kMaxStages)
+    if (!pg_ || layer < 0 || layer >= static_cast<int64_t>(moe_.size()) || !moe_[layer] ||
+        stage < 0 || stage >= static_cast<int64_t>(rows_.size()) || stage >= kMaxStages)
       return false;
     Slot& slot = slots_[layer * kMaxStages + stage];
     if (slot.work || h.scalar_type() != dtype_ || h.dim() != 2 || h.size(0) != rows_[stage] ||
@@ -197,16 +197,8 @@ class AttentionLink : public Link {
     at::Tensor out = spare_.defined() && spare_.sizes() == h.sizes() ? spare_ : at::empty_like(h);
     spare_ = at::Tensor();
     int tag = static_cast<int>(layer * kMaxStages + stage);
-    auto sent = post(pg_, true, h, peer_, tag);
-    c10::intrusive_ptr<c10d::Work> posted;
-    try {
-      posted = post(pg_, false, out, peer_, tag);
-    } catch (const LinkError&) {
-      sends_.keep(std::move(sent), h);
-      throw;
-    }
-    sends_.keep(std::move(sent), h);
-    slot.work = std::move(posted);
+    sends_.keep(post(pg_, true, h, peer_, tag), h);
+    slot.work = post(pg_, false, out, peer_, tag);
     slot.out = std::move(out);
     ++in_flight_;
     rows_sent_ += h.size(0);
@@ -237,6 +229,10 @@ class AttentionLink : public Link {
     return calls;
   }
   int64_t num_in_flight() const { return in_flight_; }
+  bool holds(int64_t layer, int64_t stage) const {
+    return layer >= 0 && layer < static_cast<int64_t>(moe_.size()) && stage >= 0 &&
+           stage < kMaxStages && slots_[layer * kMaxStages + stage].work;
+  }
 
   // The step is over: rows sent in it (metrics), the spare let go.
   int64_t end_step() {
@@ -319,18 +315,9 @@ class FFNLink : public Link {
       return false;
     at::Tensor out = output.is_contiguous() ? output : output.contiguous();
     state_ = State::kIdle;  // until the next receive is posted
-    auto sent = post(pg_, true, out, peer_, tag());
-    if (!advance()) {
-      sends_.keep(std::move(sent), out);
-      return true;
-    }
-    try {
-      work_ = post(pg_, false, next_buffer(), peer_, tag());
-    } catch (const LinkError&) {
-      sends_.keep(std::move(sent), out);
-      throw;
-    }
-    sends_.keep(std::move(sent), out);
+    sends_.keep(post(pg_, true, out, peer_, tag()), out);
+    if (!advance()) return true;
+    work_ = post(pg_, false, next_buffer(), peer_, tag());
     state_ = State::kPosted;
     return true;
   }
@@ -352,23 +339,32 @@ class FFNLink : public Link {
   enum class State { kIdle, kPosted, kServing };
 
   // Two buffers per stage, taken in turn: a (layer, stage)'s rows land where those of two layers
-  // back did (afd_common.transport.p2p.ReceiveBuffers says why that is safe).
+  // back did (afd_common.transport.p2p.ReceiveBuffers says why that is safe, and why a buffer
+  // only grows: no allocation between a result's send and the next receive's post).
   struct Ring {
-    at::Tensor bufs[2];
+    struct Buffer {
+      at::Tensor storage, view;
+      int64_t rows = -1;
+    };
+    Buffer bufs[2];
     int turn = 0;
-    at::Tensor& take(int64_t rows, int64_t hidden, at::ScalarType dtype) {
+    const at::Tensor& take(int64_t rows, int64_t hidden, at::ScalarType dtype) {
       turn ^= 1;
-      at::Tensor& b = bufs[turn];
-      if (!b.defined() || b.size(0) != rows)
-        b = at::empty({rows, hidden}, at::TensorOptions().dtype(dtype));
-      return b;
+      Buffer& b = bufs[turn];
+      if (b.rows != rows) {
+        if (!b.storage.defined() || b.storage.size(0) < rows)
+          b.storage = at::empty({rows, hidden}, at::TensorOptions().dtype(dtype));
+        b.view = b.storage.narrow(0, 0, rows);
+        b.rows = rows;
+      }
+      return b.view;
     }
-    const at::Tensor& current() const { return bufs[turn]; }
+    const at::Tensor& current() const { return bufs[turn].view; }
   };
 
   int tag() const { return static_cast<int>(layers_[layer_pos_] * kMaxStages + stage_); }
 
-  at::Tensor& next_buffer() { return rings_[stage_].take(rows_[stage_], hidden_, dtype_); }
+  const at::Tensor& next_buffer() { return rings_[stage_].take(rows_[stage_], hidden_, dtype_); }
 
   // To the next (layer, stage) of the step; false at its end.
   bool advance() {
@@ -391,6 +387,7 @@ class FFNLink : public Link {
 PYBIND11_MODULE(_one_link, m) {
   m.doc() = "The P2P connector's one-link round trip (afd_common.transport.one_link).";
   // The torch this was compiled against: one_link refuses the module under another.
+  m.attr("max_stages") = kMaxStages;  // the tag layout's: one_link refuses the module on a mismatch
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." +
                             std::to_string(TORCH_VERSION_MINOR) + "." +
                             std::to_string(TORCH_VERSION_PATCH);
@@ -422,6 +419,7 @@ PYBIND11_MODULE(_one_link, m) {
       .def("recv", &AttentionLink::recv)
       .def("in_flight", &AttentionLink::in_flight)
       .def("num_in_flight", &AttentionLink::num_in_flight)
+      .def("holds", &AttentionLink::holds)
       .def("end_step", &AttentionLink::end_step)
       .def("drop", &AttentionLink::drop);
 

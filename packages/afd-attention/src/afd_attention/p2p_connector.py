@@ -190,6 +190,10 @@ class P2pAttentionConnector(AttentionConnector):
             return super()._unreceived()
         return sorted(self._inflight | {LayerCall(*c) for c in compiled.in_flight()})
 
+    def _in_flight(self, call: LayerCall) -> bool:
+        compiled = self._compiled
+        return call in self._inflight or (compiled is not None and compiled.holds(*call))
+
     def _release(self, net) -> None:
         try:
             super()._release(net)

@@ -321,6 +321,10 @@ class AttentionConnector(AFDConnector):
         them)."""
         return sorted(self._inflight)
 
+    def _in_flight(self, call: LayerCall) -> bool:
+        """Whether ``call`` is sent and not received (as ``_unreceived``, for one call)."""
+        return call in self._inflight
+
     def _pending(self, call: LayerCall, state) -> PendingResult:
         self._inflight.add(call)
         return new_tuple(PendingResult, (call, state))
@@ -368,7 +372,7 @@ class AttentionConnector(AFDConnector):
         if not 0 <= stage < len(tokens):
             raise ValueError(f"stage {stage} out of range: step {step.step} has "
                              f"{len(tokens)} stages")
-        if call in self._unreceived():
+        if self._in_flight(call):
             raise RuntimeError(f"{call} sent twice without receiving its result")
         size = hidden.shape
         if len(size) != 2 or size[1] != shape.hidden_size:

@@ -91,6 +91,10 @@ class P2pFFNConnector(ScheduledFFNConnector):
         self._global = {link.attention_rank: self.topology.attention_global_rank(
             link.attention_rank) for link in self._links}
         self._sharded, self._gate = self.topology.sharded, self.config.compute_gate_on_attention
+        # The attention rank (global) that sends this rank all its rows, if one does and the
+        # routing is computed here: where the compiled link can serve (one_link).
+        one = len(self._links) == 1 and not self._sharded and not self._gate
+        self._one_src = self._global[self._links[0].attention_rank] if one else None
         self._hidden_size, self._dtype = self.shape.hidden_size, self.shape.dtype
         # What posts a (layer, stage)'s receives: its rows, or with sharded experts their counts.
         self._post = self._post_counts if self._sharded else self._post_rows
@@ -107,9 +111,8 @@ class P2pFFNConnector(ScheduledFFNConnector):
         self._buffers = ReceiveBuffers(shape.hidden_size, shape.dtype, shape.top_k, self._gate,
                                        self.device)
         net = open_p2p_world(self, self.backend)
-        if len(self._links) == 1 and not self._sharded and not self._gate:
-            self._compiled = one_link.ffn_link(
-                net.data, self._global[self._links[0].attention_rank], shape)
+        if self._one_src is not None:
+            self._compiled = one_link.ffn_link(net.data, self._one_src, shape)
         self._compiled_step = False
         return net
 
@@ -361,9 +364,9 @@ class P2pFFNConnector(ScheduledFFNConnector):
         return f"layer {layer} stage {stage} is {'being served' if serving else 'next'}"
 
     def _link_failure(self, e: LinkError, layer_idx: int, stage_idx: int) -> Exception:
-        return one_link.failure(
-            self._net.data, e, self._global[self._links[0].attention_rank],
-            ("hidden states of layer {} stage {}", layer_idx, stage_idx), self.timeouts.current_s)
+        return one_link.failure(self._net.data, e, self._one_src,
+                                ("hidden states of layer {} stage {}", layer_idx, stage_idx),
+                                self.timeouts.current_s)
 
     def _release(self, net) -> None:
         compiled, self._compiled, self._compiled_step = self._compiled, None, False

@@ -23,6 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from afd_common.metadata import MAX_STAGES
 from afd_common.transport.peer_io import PeerIO
 
 logger = logging.getLogger("vllm.afd")
@@ -46,6 +47,11 @@ def _load():
         logger.warning("AFD: the compiled one-link path was built against torch %s, this is "
                        "torch %s; the P2P connector runs its Python path: %s",
                        _one_link.torch_version, here, _REMEDY)
+        return None
+    if _one_link.max_stages != MAX_STAGES:  # its tags are layer * max_stages + stage
+        logger.warning("AFD: the compiled one-link path lays out tags for %d stages, this afd "
+                       "for %d; the P2P connector runs its Python path: %s",
+                       _one_link.max_stages, MAX_STAGES, _REMEDY)
         return None
     return _one_link
 

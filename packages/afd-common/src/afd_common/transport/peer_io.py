@@ -78,7 +78,7 @@ class PeerIO:
         try:
             work = self.group.send([tensor], dst, tag)
         except RuntimeError as e:
-            raise self._send_failed(dst, e) from None
+            raise self.failure("send", dst, None, None, str(e)) from None
         self._keep(dst, work, tensor)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str | tuple) -> PendingRecv:
@@ -86,7 +86,7 @@ class PeerIO:
         try:
             work = self.group.recv([tensor], src, tag)
         except RuntimeError as e:
-            raise self._post_failed(src, tensor, what, e) from None
+            raise self.failure("post", src, what, None, str(e)) from None
         return new_tuple(PendingRecv, (work, tensor, src, what))
 
     def send_then_post(self, tensor: torch.Tensor, dst: int, tag: int, buf: torch.Tensor,
@@ -99,12 +99,12 @@ class PeerIO:
         try:
             work = group.send([tensor], dst, tag)
         except RuntimeError as e:
-            raise self._send_failed(dst, e) from None
+            raise self.failure("send", dst, None, None, str(e)) from None
         try:
             posted = group.recv([buf], src, recv_tag)
         except RuntimeError as e:
             self._keep(dst, work, tensor)
-            raise self._post_failed(src, buf, what, e) from None
+            raise self.failure("post", src, what, None, str(e)) from None
         self._keep(dst, work, tensor)
         return new_tuple(PendingRecv, (posted, buf, src, what))
 
@@ -115,12 +115,6 @@ class PeerIO:
             self._pending[dst] = [(work, tensor)]
         else:
             sends.append((work, tensor))
-
-    def _send_failed(self, dst: int, e: RuntimeError) -> AFDPeerError:
-        return self.failure("send", dst, None, None, str(e))
-
-    def _post_failed(self, src: int, tensor, what, e: RuntimeError) -> AFDPeerError:
-        return self.failure("post", src, what, None, str(e))
 
     def failure(self, kind: str, peer: int, what: str | tuple | None, timeout_s: float | None,
                 error: str) -> AFDPeerError:
