@@ -79,10 +79,11 @@ def test_env_keeps_the_python_path(monkeypatch):
         f.close()
 
 
-def serve(f, steps: int, result=lambda item: item.hidden_states * 2):
-    """The FFN loop in a thread: ``result`` of each item sent back; exceptions kept. Each item's
-    rows must stay as received until the result of its stage's next layer is sent
-    (``recv_layer``'s promise): checked when the next layer's rows are in hand."""
+def serve(f, steps: int, result=lambda item: item.hidden_states * 2, answer_empty=True):
+    """The FFN loop in a thread: ``result`` of each item sent back (an empty item's only if
+    ``answer_empty``); exceptions kept. Each item's rows must stay as received until the result
+    of its stage's next layer is sent (``recv_layer``'s promise): checked when the next layer's
+    rows are in hand."""
     errors, compiled = [], []
 
     def run():
@@ -98,7 +99,8 @@ def serve(f, steps: int, result=lambda item: item.hidden_states * 2):
                             old, rows = held[stage]
                             assert torch.equal(old.hidden_states, rows), (layer, stage)
                         held[stage] = (item, item.hidden_states.clone())
-                        f.send_ffn_output(result(item), item)
+                        if item.num_tokens or answer_empty:
+                            f.send_ffn_output(result(item), item)
                 f.end_step()
         except Exception as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
@@ -109,11 +111,13 @@ def serve(f, steps: int, result=lambda item: item.hidden_states * 2):
 
 
 @pytest.mark.parametrize("rows", [(3, 2), (0, 2), (4, 0), (1, 1), (0, 0)])
-def test_results_match_and_steps_without_rows_in_a_stage_take_the_python_path(either, rows):
+def test_results_match_also_with_stages_without_rows(either, rows):
     """Strided tensors on either side too: the attention side hands them to the Python path
-    (mixing both on one link in a step), the FFN side sends a contiguous copy."""
+    (mixing both on one link in a step), the FFN side sends a contiguous copy. The compiled FFN
+    half serves every step, its first stage without rows or with max_num_tokens (the receive
+    posted ahead, kept over a step whose first stage has none, fits any plan)."""
     a, f = either
-    steps = [rows, (2, 3), rows, (1, 1)]
+    steps = [rows, (2, 3), rows, (a.shape.max_num_tokens, 0), rows, (1, 1)]
     t, errors, compiled = serve(f, len(steps), result=lambda item: (item.hidden_states * 2).t()
                                 .contiguous().t())
     for step, stage_rows in enumerate(steps):
@@ -133,8 +137,51 @@ def test_results_match_and_steps_without_rows_in_a_stage_take_the_python_path(ei
         a.end_step()
     t.join(30)
     assert not errors, errors
-    assert compiled == [f._compiled is not None and 0 not in stage_rows
-                        for stage_rows in steps]
+    assert compiled == [f._compiled is not None] * len(steps)
+
+
+def test_a_loop_may_leave_empty_items_unanswered(either):
+    """As the Python path lets it (afd-selftest's loop does): nothing travels for them."""
+    a, f = either
+    steps = [(0, 2), (2, 0), (0, 0), (1, 1)]
+    t, errors, compiled = serve(f, len(steps), answer_empty=False)
+    for step, stage_rows in enumerate(steps):
+        a.begin_step(StepMetadata(step, StepKind.RUN, stage_rows))
+        for layer in LAYERS:
+            xs = [torch.randn(n, H) for n in stage_rows]
+            pending = [a.send_attn_output(x, LayerCall(layer, s)) for s, x in enumerate(xs)]
+            for x, p in zip(xs, pending):
+                assert torch.equal(a.recv_ffn_output(p), x * 2)
+        a.end_step()
+    t.join(30)
+    assert not errors, errors
+    assert compiled == [f._compiled is not None] * len(steps)
+
+
+def test_the_next_steps_first_rows_land_before_the_ffn_side_asks(pair):
+    """The compiled FFN half posts the next step's first receive with a step's last result: the
+    peer's next rows are taken while the FFN side is still busy with anything else (Gloo holds a
+    send back until its receive is posted), so they do not wait for the plan to be decoded."""
+    a, f = pair
+    t, errors, _ = serve(f, 1)
+    x = torch.randn(3, H)
+    a.begin_step(StepMetadata(0, StepKind.RUN, (3, 0)))
+    for layer in LAYERS:
+        assert torch.equal(a.recv_ffn_output(a.send_attn_output(x, LayerCall(layer, 0))), x * 2)
+    a.end_step()
+    t.join(30)
+    assert not errors, errors
+    a.begin_step(StepMetadata(1, StepKind.RUN, (2, 0)))
+    pending = a.send_attn_output(x[:2], LayerCall(LAYERS[0], 0))
+    a._compiled.flush(5.0)  # the rows taken: nothing on the FFN side asked for the step yet
+    t, errors, _ = serve(f, 1)
+    assert torch.equal(a.recv_ffn_output(pending), x[:2] * 2)
+    for layer in LAYERS[1:]:
+        assert torch.equal(a.recv_ffn_output(a.send_attn_output(x[:2], LayerCall(layer, 0))),
+                           x[:2] * 2)
+    a.end_step()
+    t.join(30)
+    assert not errors, errors
 
 
 def test_rows_reach_the_metrics(either):

@@ -19,6 +19,7 @@
 #include <deque>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -265,28 +266,34 @@ class AttentionLink : public Link {
 
 // The FFN half: one attention rank's rows in every stage of the step, the routing computed here.
 // The step is served in order (MoE layers ascending, each layer's stages ascending); each
-// (layer, stage)'s receive is posted with the previous result's send.
+// (layer, stage)'s receive is posted with the previous result's send, and the next step's first
+// one with the step's last send (``post_ahead``). A stage without rows has no message either way
+// (the attention half sends none): its item is empty, and nothing is posted or sent for it.
 class FFNLink : public Link {
  public:
   FFNLink(c10::intrusive_ptr<c10d::Backend> pg, int src, at::ScalarType dtype, int64_t hidden,
-          std::vector<int64_t> moe_layers)
-      : Link(std::move(pg), src, dtype, hidden), layers_(std::move(moe_layers)) {}
+          std::vector<int64_t> moe_layers, int64_t max_rows)
+      : Link(std::move(pg), src, dtype, hidden), layers_(std::move(moe_layers)),
+        max_rows_(max_rows), empty_(at::empty({0, hidden}, at::TensorOptions().dtype(dtype))) {}
 
-  // Take the step if every stage has rows: post its first receive. False: the Python path serves
-  // it.
+  // Take the step: post its first receive (or find it posted ahead). False where the step has
+  // nothing for this link to serve (no MoE layer, no stage): the Python path serves it.
   bool begin(std::vector<int64_t> stage_rows) {
     state_ = State::kIdle;
     if (!pg_ || layers_.empty() || stage_rows.empty() ||
         static_cast<int64_t>(stage_rows.size()) > kMaxStages)
       return false;
     for (auto n : stage_rows) {
-      if (n <= 0) return false;
+      // The Python side refused a plan above max_num_tokens before this (contract._on_step):
+      // a row count outside [0, max_rows] here is a caller's bug, not a peer's word.
+      TORCH_CHECK(n >= 0 && n <= max_rows_, "stage rows ", n, " outside [0, ", max_rows_, "]");
     }
     rows_ = std::move(stage_rows);
     if (rings_.size() < rows_.size()) rings_.resize(rows_.size());
     layer_pos_ = 0;
     stage_ = 0;
-    work_ = post(pg_, false, next_buffer(), peer_, tag());
+    empty_at_ = kNowhere;
+    post_current();
     state_ = State::kPosted;
     return true;
   }
@@ -295,6 +302,19 @@ class FFNLink : public Link {
   py::object recv(int64_t stage, int64_t layer, double timeout_s) {
     if (state_ != State::kPosted || layer != layers_[layer_pos_] || stage != stage_)
       return py::none();
+    if (rows_[stage_] == 0) {
+      // Nothing travels for it either way, so the step moves on now: a loop may answer the empty
+      // item (``send`` takes that answer) or not, as on the Python path.
+      empty_at_ = {layer, stage};
+      state_ = State::kIdle;
+      if (advance()) {
+        post_current();
+        state_ = State::kPosted;
+      } else {
+        post_ahead();
+      }
+      return py::cast(empty_);
+    }
     state_ = State::kServing;
     auto work = std::move(work_);
     try {
@@ -309,15 +329,24 @@ class FFNLink : public Link {
   // Send the result of the item ``recv`` returned last and post the next receive; false where the
   // Python path must check the call (another item, a result of the wrong shape or dtype).
   bool send(const at::Tensor& output, int64_t stage, int64_t layer) {
-    if (state_ != State::kServing || layer != layers_[layer_pos_] || stage != stage_ ||
-        output.scalar_type() != dtype_ || output.dim() != 2 || output.size(0) != rows_[stage] ||
-        output.size(1) != hidden_ || !output.is_cpu())
+    if (output.scalar_type() != dtype_ || output.dim() != 2 || output.size(1) != hidden_ ||
+        !output.is_cpu())
       return false;
-    at::Tensor out = output.is_contiguous() ? output : output.contiguous();
+    if (empty_at_ == std::make_pair(layer, stage) && output.size(0) == 0) {
+      empty_at_ = kNowhere;  // the answer of the empty item recv returned last: nothing to send
+      return true;
+    }
+    if (state_ != State::kServing || layer != layers_[layer_pos_] || stage != stage_ ||
+        output.size(0) != rows_[stage])
+      return false;
     state_ = State::kIdle;  // until the next receive is posted
+    at::Tensor out = output.is_contiguous() ? output : output.contiguous();
     sends_.keep(post(pg_, true, out, peer_, tag()), out);
-    if (!advance()) return true;
-    work_ = post(pg_, false, next_buffer(), peer_, tag());
+    if (!advance()) {
+      post_ahead();
+      return true;
+    }
+    post_current();
     state_ = State::kPosted;
     return true;
   }
@@ -328,9 +357,10 @@ class FFNLink : public Link {
     return py::make_tuple(layers_[layer_pos_], stage_, state_ == State::kServing);
   }
 
-  // Forget the step (the connector closes or leaves it).
+  // Forget the step and the receive posted ahead (the connector closes or leaves it).
   void drop() {
     work_.reset();
+    ahead_.reset();
     state_ = State::kIdle;
     release();
   }
@@ -359,12 +389,44 @@ class FFNLink : public Link {
       }
       return b.view;
     }
+    // The buffer taken last, viewed as ``rows`` rows (a receive posted larger than its message).
+    void narrow(int64_t rows) {
+      Buffer& b = bufs[turn];
+      b.view = b.storage.narrow(0, 0, rows);
+      b.rows = rows;
+    }
     const at::Tensor& current() const { return bufs[turn].view; }
   };
 
   int tag() const { return static_cast<int>(layers_[layer_pos_] * kMaxStages + stage_); }
 
-  const at::Tensor& next_buffer() { return rings_[stage_].take(rows_[stage_], hidden_, dtype_); }
+  // The receive of the current (layer, stage): none for a stage without rows; the step's first is
+  // the one posted ahead, if any.
+  void post_current() {
+    int64_t rows = rows_[stage_];
+    if (rows == 0) return;
+    if (ahead_ && layer_pos_ == 0 && stage_ == 0) {
+      work_ = std::move(ahead_);
+      rings_[0].narrow(rows);
+      return;
+    }
+    work_ = post(pg_, false, rings_[stage_].take(rows, hidden_, dtype_), peer_, tag());
+  }
+
+  // The next step's first receive, as the step's last result goes out: the peer sends the next
+  // step's plan and first rows back to back, and a receive posted only once the plan is decoded
+  // costs those rows a notification round trip (Gloo holds back a send whose receive is not
+  // posted). Its size is not known yet: max_rows, which every plan is held to. Gloo takes a
+  // shorter message into it, as into any receive (it reports no length), and aborts the process
+  // on a longer one, as on any receive. It lands in the first stage's ring, which grows to that
+  // size as it would for any step of max_rows rows (vLLM's memory profiling runs one). Kept, if the
+  // last step's first stage had no rows, for the step that has some.
+  void post_ahead() {
+    if (ahead_ || max_rows_ <= 0) return;
+    layer_pos_ = 0;
+    stage_ = 0;
+    ahead_ = post(pg_, false, rings_[0].take(max_rows_, hidden_, dtype_), peer_, tag());
+  }
 
   // To the next (layer, stage) of the step; false at its end.
   bool advance() {
@@ -374,12 +436,17 @@ class FFNLink : public Link {
   }
 
   std::vector<int64_t> layers_;
+  int64_t max_rows_;
+  at::Tensor empty_;  // the item of a stage without rows
+  static constexpr std::pair<int64_t, int64_t> kNowhere{-1, -1};
+  std::pair<int64_t, int64_t> empty_at_ = kNowhere;  // (layer, stage) of the empty item given last
   std::vector<int64_t> rows_;
   std::vector<Ring> rings_;
   size_t layer_pos_ = 0;
   int64_t stage_ = 0;
   State state_ = State::kIdle;
   c10::intrusive_ptr<c10d::Work> work_;
+  c10::intrusive_ptr<c10d::Work> ahead_;  // the next step's first receive, posted ahead
 };
 
 }  // namespace
@@ -425,9 +492,9 @@ PYBIND11_MODULE(_one_link, m) {
 
   py::class_<FFNLink, Link>(m, "FFNLink")
       .def(py::init<c10::intrusive_ptr<c10d::Backend>, int, at::ScalarType, int64_t,
-                    std::vector<int64_t>>(),
+                    std::vector<int64_t>, int64_t>(),
            py::arg("group"), py::arg("src"), py::arg("dtype"), py::arg("hidden_size"),
-           py::arg("moe_layers"))
+           py::arg("moe_layers"), py::arg("max_rows"))
       .def("begin", &FFNLink::begin)
       .def("recv", &FFNLink::recv)
       .def("send", &FFNLink::send)

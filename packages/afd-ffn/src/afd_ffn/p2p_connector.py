@@ -15,15 +15,21 @@ the post goes out in the same call as the send (``PeerIO.send_then_post``): the 
 race with it. The order of operations on every link stays the one ``p2p`` lists (it is only
 earlier in time), so in-order transports (NCCL, HCCL) are as safe as before.
 
-Where one attention rank over Gloo sends every stage's rows, the step is served by the compiled
-link (``afd_common.transport.one_link``), which does the same in the same order; the Python
-here serves the other steps and names what is wrong with a call the compiled link refuses.
+Where one attention rank over Gloo sends this rank all its rows, every step is served by the
+compiled link (``afd_common.transport.one_link``), which does the same in the same order and
+posts one receive more: the next step's first, with the step's last result. The peer sends a
+step's plan and its first rows back to back; posted only once the plan is decoded, that receive
+cost the rows a notification round trip. It is sized by max_num_tokens (every plan is held to
+it): Gloo takes a shorter message into a receive without saying how long it was -- into an
+exactly sized one too, so the size never checked a message against its plan -- and a longer
+one aborts the receiving process (an enforce in Gloo's I/O thread), whatever the receive's size. Measured (``benchmarks/transport.py``, six runs pairing alternate steps with and
+without it): the first layer 10-25 us shorter at 1-16 tokens in every run. The Python here
+serves every other case and names what is wrong with a call the compiled link refuses.
 
-The next step's first receive waits for its plan. Posting it earlier on Gloo (when a step's last
-result goes out, sized by max_num_tokens, Gloo taking a shorter message into a longer receive)
-was tried and measured slower at every size, steady layers included (median of five alternating
-runs of ``benchmarks/transport.py``: 1.72 -> 1.51x raw at 1 token, 1.44 -> 1.33x at 16, 1.37 ->
-1.29x at 128), and it needed this side's sizes and the peer's row counts to agree unchecked.
+On the Python path the next step's first receive waits for its plan. Posting it earlier there
+(sized the same way) was measured slower at every size, steady layers included (median of five
+alternating runs of ``benchmarks/transport.py``, before the path was compiled: 1.72 -> 1.51x
+raw at 1 token, 1.44 -> 1.33x at 16, 1.37 -> 1.29x at 128).
 """
 
 from __future__ import annotations
@@ -101,7 +107,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
         self._tags = DataTags()
         self._kind = StepKind.RUN  # the current step's
         # The one-source path compiled, where it can serve (afd_common.transport.one_link), and
-        # whether it serves the current step: it takes a step whose every stage has rows.
+        # whether it serves the current step (every step with a MoE layer and a stage).
         self._compiled, self._compiled_step = None, False
 
     def _open(self):
@@ -265,8 +271,8 @@ class P2pFFNConnector(ScheduledFFNConnector):
                 sent = self._compiled.send(output, meta.stage, meta.layer_idx)
             except LinkError as e:
                 layer, stage = meta.layer_idx, meta.stage
-                if e.args[0] == "post":  # the next item's receive failed
-                    layer, stage = self._next_of(layer, stage)
+                if e.args[0] == "post":  # the next item's receive failed (the next step's)
+                    layer, stage = self._next_of(layer, stage) or (self._first_layer, 0)
                 raise self._link_failure(e, layer, stage) from None
             if not sent:
                 self._refused_output(output, meta)

@@ -94,7 +94,8 @@ def ffn_link(io: PeerIO | None, src: int, shape):
     """The compiled FFN half of the link from global rank ``src``, where it can serve."""
     if not _usable(io):
         return None
-    return _make("FFNLink", io, src, shape.dtype, shape.hidden_size, list(shape.moe_layers))
+    return _make("FFNLink", io, src, shape.dtype, shape.hidden_size, list(shape.moe_layers),
+                 shape.max_num_tokens)
 
 
 def failure(io: PeerIO, e: LinkError, peer: int, what: tuple, timeout_s: float) -> Exception:
