@@ -9,8 +9,8 @@ receive before waiting; the FFN side posts the next layer's receive as soon as i
 alternating two buffers), so the reference pays no notification round trip for a late receive.
 The per-layer time of the connector is the step time divided by L, so the control plane is paid
 for; "steady" is the ratio over a step's layers after its first, and the first layer's round
-trip (which waits for the step's metadata and, on the FFN side, its decoding before the first
-receive can be posted) is printed beside the raw loop's first. Here the first rows follow the
+trip (which waits for the step's metadata and, on the FFN side, its decoding) is printed beside
+the floor loop's and the raw loop's first. Here the first rows follow the
 metadata at once; in a served step it goes out before the embedding and the first attention
 layer run. "served" measures that case: after the other loops, steps whose attention side
 computes for ``--gap-us`` (a busy loop) between the metadata and the first layer, each paired
@@ -19,10 +19,16 @@ and ``end_step``, neither loop for the gap. Its first layer is printed beside ra
 gap. A third loop, "bare", is the least a connector written in Python does per layer: the same
 calls behind one method per primitive, no checks and no bookkeeping, the FFN side's receive
 buffers reused and the attention side's result allocated per call (the model owns what a
-connector returns). It says how much of the connector's extra is Python as such. The connector
+connector returns). It says how much of the connector's extra is Python as such. A fourth,
+"floor", is the connector's protocol with no code: each step's plan message sent as the control
+plane sends one (a fixed-size frame on its tag) right before raw round trips on a tag of their
+own, the FFN side keeping the next two plans' receives posted and the step's first receive
+posted with the previous step's last send, sized for the most rows, as the compiled link posts
+it; nothing encoded, decoded or checked. ``floor`` is what the plan message costs as such, and
+the connector's distance from it what its code costs. The connector
 runs its compiled one-link path where afd-common was built with it
 (``afd_common.transport.one_link``; the header says which); then "python" is the same connector
-on its Python path (``AFD_ONE_LINK=0`` while it opens) for a step after the bare loop, against
+on its Python path (``AFD_ONE_LINK=0`` while it opens) for a step after the floor loop, against
 raw: what compiling the path changed, side by side. ``--breakdown`` measures the Python path
 (its wrapper times the group calls that path makes from Python).
 
@@ -71,12 +77,15 @@ from afd_common.config import parse_afd_config
 from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
 from afd_common.registry import resolve_connector
 from afd_common.tools.launch import free_port
+from afd_common.transport.codec import STEP_FRAME_BYTES
 from afd_common.transport.control_plane import CONTROL_TAG
 from afd_common.transport import one_link
 
 H = 2048
 TOKENS = (1, 16, 128, 512)
 WARMUP = 3  # steps per token count before the measured ones
+MAX_ROWS = max(TOKENS)  # what the floor loop's first receive is posted for, ahead
+FLOOR_TAG = 1  # the floor loop's rows on the raw group (raw and bare use tag 0)
 
 
 def shape(layers: int) -> ModelShape:
@@ -200,6 +209,53 @@ class BareFFN:
         self._send = None
 
 
+class FloorAttention:
+    """The attention side of the floor loop (module docstring): a step's plan message sent as the
+    control plane sends one (a fixed-size frame on its tag, kept until the step after next), then
+    raw round trips."""
+
+    def __init__(self, group):
+        self._group, self._turn, self._sent = group, 0, [None, None]
+        self._frames = [torch.zeros(STEP_FRAME_BYTES, dtype=torch.uint8) for _ in range(2)]
+
+    def step(self, x: torch.Tensor, back: torch.Tensor, layers: int) -> tuple[float, float]:
+        turn = self._turn = 1 - self._turn
+        if self._sent[turn] is not None:
+            self._sent[turn].wait()
+        self._sent[turn] = self._group.send([self._frames[turn]], 1, CONTROL_TAG)
+        return raw_round_trips(self._group, x, back, layers, FLOOR_TAG)
+
+
+class FloorFFN:
+    """The FFN side of the floor loop: the next two plans' receives always posted, as the control
+    plane keeps them, and each step's first rows' receive posted with the previous step's last
+    send, ``MAX_ROWS`` rows, as the compiled link posts it; nothing decoded, nothing checked."""
+
+    def __init__(self, group):
+        self._group, self._turn = group, 0
+        self._frames = [torch.empty(STEP_FRAME_BYTES, dtype=torch.uint8) for _ in range(2)]
+        self._plans = [group.recv([f], 0, CONTROL_TAG) for f in self._frames]
+        self._first = torch.empty(MAX_ROWS, H, dtype=torch.bfloat16)
+        self._ahead = group.recv([self._first], 0, FLOOR_TAG)
+
+    def step(self, rows: int, layers: int) -> None:
+        group, turn = self._group, self._turn
+        bufs = [self._first[:rows], torch.empty(rows, H, dtype=torch.bfloat16)]
+        self._turn = 1 - turn
+        self._plans[turn].wait()
+        self._plans[turn] = group.recv([self._frames[turn]], 0, CONTROL_TAG)
+        recv, send = self._ahead, None
+        for layer in range(layers):
+            recv.wait()
+            if send is not None:
+                send.wait()
+            send = group.send([bufs[layer % 2]], 0, FLOOR_TAG)
+            if layer + 1 < layers:
+                recv = group.recv([bufs[(layer + 1) % 2]], 0, FLOOR_TAG)
+        send.wait()
+        self._ahead = group.recv([self._first], 0, FLOOR_TAG)
+
+
 class _Done:
     """A finished work."""
 
@@ -319,6 +375,7 @@ def ffn_main(args, ports, q) -> None:
     conn = resolve_connector("P2pAFDConnector", "ffn")(config("ffn", ports[0]), 0,
                                                         shape(args.layers))
     raw = bare_group = raw_group(1, ports[1])
+    floor = FloorFFN(bare_group)
     cpu: dict[int, list] = {}  # tokens -> (connector, bare) main-thread CPU per step, ns
     with conn:
         py = python_path("ffn", ports[2], args.layers)
@@ -355,6 +412,7 @@ def ffn_main(args, ports, q) -> None:
                 bare.send_ffn_output(bare.recv_layer(), layer, layer + 1 == args.layers)
             bare.finish()
             cpu.setdefault(t, []).append((connector, time.thread_time_ns() - start))
+            floor.step(t, args.layers)
             if py is not None:  # and the connector's Python path
                 py.recv_step()
                 serve_step(py, args.layers)
@@ -372,34 +430,38 @@ def is_served(step: int) -> bool:
 def summary(stamps, served, layers: int) -> dict:
     """Medians over the steps (seconds; ratios of per-step pairs) from each step's stamps:
     connector start, after its first layer, end = raw start, after its first layer, end = bare
-    start, bare end; and from the served pairs (``served_pair``)."""
-    per = {"connector": [], "raw": [], "bare": [], "steady": [], "raw_steady": [],
-           "first": [], "raw_first": [], "served": [], "raw_served": [], "served_first": [],
-           "raw_served_first": []}
-    for (c0, c1, c2, r1, r2, b2, *p2), (sc, sr, sc1, sr1) in zip(stamps, served):
-        if p2:  # the Python path's step, after the bare loop
-            per.setdefault("python", []).append((p2[0] - b2) / layers)
+    start, bare end = floor start, after its first layer, floor end (= the Python path's start),
+    the Python path's end, if it ran; and from the served pairs (``served_pair``)."""
+    per = {"connector": [], "raw": [], "bare": [], "floor": [], "steady": [], "raw_steady": [],
+           "first": [], "raw_first": [], "floor_first": [], "served": [], "raw_served": [],
+           "served_first": [], "raw_served_first": []}
+    for (c0, c1, c2, r1, r2, b2, f1, f2, *p2), (sc, sr, sc1, sr1) in zip(stamps, served):
+        if p2:  # the Python path's step, after the floor loop
+            per.setdefault("python", []).append((p2[0] - f2) / layers)
         for key, v in (("connector", (c2 - c0) / layers), ("raw", (r2 - c2) / layers),
-                       ("bare", (b2 - r2) / layers), ("steady", (c2 - c1) / (layers - 1)),
+                       ("bare", (b2 - r2) / layers), ("floor", (f2 - b2) / layers),
+                       ("floor_first", f1 - b2), ("steady", (c2 - c1) / (layers - 1)),
                        ("raw_steady", (r2 - r1) / (layers - 1)), ("first", c1 - c0),
                        ("raw_first", r1 - c2), ("served", sc / layers),
                        ("raw_served", sr / layers), ("served_first", sc1),
                        ("raw_served_first", sr1)):
             per[key].append(v)
     out = {key: statistics.median(v) for key, v in per.items()}
-    for key, ref in (("connector", "raw"), ("bare", "raw"), ("steady", "raw_steady"),
+    for key, ref in (("connector", "raw"), ("bare", "raw"), ("floor", "raw"),
+                     ("steady", "raw_steady"),
                      ("served", "raw_served"), ("python", "raw")):
         if key in per:
             out[key + "_ratio"] = statistics.median(a / b for a, b in zip(per[key], per[ref]))
     return out
 
 
-def raw_round_trips(raw, x: torch.Tensor, back: torch.Tensor, layers: int) -> tuple[float, float]:
+def raw_round_trips(raw, x: torch.Tensor, back: torch.Tensor, layers: int,
+                    tag: int = 0) -> tuple[float, float]:
     """The attention side's raw loop: one round trip per layer, the reply's receive posted right
     after the send. The clock after the first layer and at the end."""
     for layer in range(layers):
-        send = raw.send([x], 1, 0)
-        raw.recv([back], 1, 0).wait()
+        send = raw.send([x], 1, tag)
+        raw.recv([back], 1, tag).wait()
         send.wait()
         if layer == 0:
             first = time.perf_counter()
@@ -449,7 +511,7 @@ def attention_main(args, ports, q) -> None:
     conn = resolve_connector("P2pAFDConnector", "attention")(config("attention", ports[0]), 0,
                                                               shape(args.layers))
     raw = raw_group(0, ports[1])
-    bare = BareAttention(raw)
+    bare, floor = BareAttention(raw), FloorAttention(raw)
     results = {}
     step = 0
     with conn:
@@ -477,6 +539,7 @@ def attention_main(args, ports, q) -> None:
                     z = bare.recv_ffn_output(bare.send_attn_output(x))
                 now.append(time.perf_counter())
                 cpu.append((connector_cpu, time.thread_time_ns() - cpu_start))
+                now.extend(floor.step(x, back, args.layers))
                 if py is not None:
                     py.begin_step(StepMetadata(step, StepKind.RUN, (t,)))
                     for layer in range(args.layers):
@@ -557,13 +620,14 @@ def main(argv=None) -> int:
         "compiled (afd_common.transport.one_link)" if one_link.available() else
         f"Python ({one_link.ENV}=0{', for --breakdown' if args.breakdown else ''}, or not built)"))
     print(f"{'T':>5} {'connector ms':>13} {'raw ms':>8} {'ratio':>6} {'steady':>7} "
-          f"{'served':>7} {'bare':>6} {'python':>7} {'1st layer us':>13} {'served':>11}")
+          f"{'served':>7} {'bare':>6} {'floor':>6} {'python':>7} {'1st layer us':>17} "
+          f"{'served':>11}")
     for t, r in results.items():
         python = f"{r['python_ratio']:>7.2f}" if "python_ratio" in r else f"{'--':>7}"
         print(f"{t:>5} {r['connector'] * 1e3:>13.3f} {r['raw'] * 1e3:>8.3f} "
               f"{r['connector_ratio']:>6.2f} {r['steady_ratio']:>7.2f} {r['served_ratio']:>7.2f} "
-              f"{r['bare_ratio']:>6.2f} {python} "
-              f"{r['first'] * 1e6:>6.0f}/{r['raw_first'] * 1e6:<6.0f} "
+              f"{r['bare_ratio']:>6.2f} {r['floor_ratio']:>6.2f} {python} "
+              f"{r['first'] * 1e6:>5.0f}/{r['floor_first'] * 1e6:.0f}/{r['raw_first'] * 1e6:<5.0f} "
               f"{r['served_first'] * 1e6:>5.0f}/{r['raw_served_first'] * 1e6:<5.0f}")
     worst = max(r["connector_ratio"] for r in results.values())
     print(f"worst ratio {worst:.2f} (target <= 1.10)")
