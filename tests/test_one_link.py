@@ -110,6 +110,27 @@ def serve(f, steps: int, result=lambda item: item.hidden_states * 2, answer_empt
     return t, errors, compiled
 
 
+def run_steps(a, steps, strided_layer=None):
+    """The attention side of ``steps`` (rows per stage), each result checked against the FFN
+    loop's (``serve``, the default result); ``strided_layer``'s rows are sent strided, which the
+    compiled path hands to the Python path."""
+    for step, stage_rows in enumerate(steps):
+        a.begin_step(StepMetadata(step, StepKind.RUN, stage_rows))
+        for layer in LAYERS:
+            sent = []
+            for stage, n in enumerate(stage_rows):
+                x = torch.randn(n, H)
+                if layer == strided_layer:
+                    x = x.t().contiguous().t()
+                pending = a.send_attn_output(x, LayerCall(layer, stage))
+                assert (a._compiled is not None and pending.state is a._compiled) == (
+                    a._compiled is not None and x.is_contiguous() and n > 0)
+                sent.append((x, pending))
+            for x, pending in sent:
+                assert torch.equal(a.recv_ffn_output(pending), x * 2)
+        a.end_step()
+
+
 @pytest.mark.parametrize("rows", [(3, 2), (0, 2), (4, 0), (1, 1), (0, 0)])
 def test_results_match_also_with_stages_without_rows(either, rows):
     """Strided tensors on either side too: the attention side hands them to the Python path
@@ -120,21 +141,7 @@ def test_results_match_also_with_stages_without_rows(either, rows):
     steps = [rows, (2, 3), rows, (a.shape.max_num_tokens, 0), rows, (1, 1)]
     t, errors, compiled = serve(f, len(steps), result=lambda item: (item.hidden_states * 2).t()
                                 .contiguous().t())
-    for step, stage_rows in enumerate(steps):
-        a.begin_step(StepMetadata(step, StepKind.RUN, stage_rows))
-        for layer in LAYERS:
-            sent = []
-            for stage, n in enumerate(stage_rows):
-                x = torch.randn(n, H)
-                if layer == 2:
-                    x = x.t().contiguous().t()  # strided
-                pending = a.send_attn_output(x, LayerCall(layer, stage))
-                assert (a._compiled is not None and pending.state is a._compiled) == (
-                    a._compiled is not None and x.is_contiguous() and n > 0)
-                sent.append((x, pending))
-            for x, pending in sent:
-                assert torch.equal(a.recv_ffn_output(pending), x * 2)
-        a.end_step()
+    run_steps(a, steps, strided_layer=2)
     t.join(30)
     assert not errors, errors
     assert compiled == [f._compiled is not None] * len(steps)
@@ -145,14 +152,7 @@ def test_a_loop_may_leave_empty_items_unanswered(either):
     a, f = either
     steps = [(0, 2), (2, 0), (0, 0), (1, 1)]
     t, errors, compiled = serve(f, len(steps), answer_empty=False)
-    for step, stage_rows in enumerate(steps):
-        a.begin_step(StepMetadata(step, StepKind.RUN, stage_rows))
-        for layer in LAYERS:
-            xs = [torch.randn(n, H) for n in stage_rows]
-            pending = [a.send_attn_output(x, LayerCall(layer, s)) for s, x in enumerate(xs)]
-            for x, p in zip(xs, pending):
-                assert torch.equal(a.recv_ffn_output(p), x * 2)
-        a.end_step()
+    run_steps(a, steps)
     t.join(30)
     assert not errors, errors
     assert compiled == [f._compiled is not None] * len(steps)
@@ -325,6 +325,19 @@ def test_compiled_failures_are_worded_as_the_python_paths(kind, error, raised, w
                          ("the FFN result of layer {} stage {}", 1, 0), 1.0)
     assert type(e) is raised and str(e).startswith(words), str(e)
     assert "second line" not in str(e) and "more" not in str(e)
+
+
+def test_a_failed_post_on_the_ffn_side_names_the_item_it_was_for(pair):
+    """The compiled link posts the next item's receive (or the next step's first) with a send,
+    or past an empty item: a failed post names that item, not the one served."""
+    a, f = pair
+    a.begin_step(StepMetadata(0, StepKind.RUN, (1, 1)))
+    f.recv_step()
+    post, wait = (one_link.LinkError(kind, "Connection closed") for kind in ("post", "wait"))
+    for (layer, stage), named in [((1, 0), (1, 1)), ((1, 1), (2, 0)), ((3, 1), (1, 0))]:
+        assert f"hidden states of layer {named[0]} stage {named[1]}:" in str(
+            f._failure_from(post, layer, stage))
+    assert "hidden states of layer 3 stage 1:" in str(f._failure_from(wait, 3, 1))
 
 
 def test_a_silent_peer_times_out_naming_the_wait():

@@ -418,9 +418,9 @@ class FFNLink : public Link {
   // costs those rows a notification round trip (Gloo holds back a send whose receive is not
   // posted). Its size is not known yet: max_rows, which every plan is held to. Gloo takes a
   // shorter message into it, as into any receive (it reports no length), and aborts the process
-  // on a longer one, as on any receive. It lands in the first stage's ring, which grows to that
-  // size as it would for any step of max_rows rows (vLLM's memory profiling runs one). Kept, if the
-  // last step's first stage had no rows, for the step that has some.
+  // on a longer one, as on any receive. It lands in the first stage's ring, whose two buffers so
+  // grow to max_rows at once rather than at the first step that large (a long prompt's prefill
+  // chunk). Kept, if the last step's first stage had no rows, for the step that has some.
   void post_ahead() {
     if (ahead_ || max_rows_ <= 0) return;
     layer_pos_ = 0;

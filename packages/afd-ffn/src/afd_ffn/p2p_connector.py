@@ -158,7 +158,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
             try:
                 hidden = self._compiled.recv(stage_idx, layer_idx, self.timeouts.current_s)
             except LinkError as e:
-                raise self._link_failure(e, layer_idx, stage_idx) from None
+                raise self._failure_from(e, layer_idx, stage_idx) from None
             if hidden is None:
                 self._not_next(stage_idx, layer_idx)
             return new_tuple(WorkItem, (hidden, new_tuple(WorkItemMeta, (
@@ -270,10 +270,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
             try:
                 sent = self._compiled.send(output, meta.stage, meta.layer_idx)
             except LinkError as e:
-                layer, stage = meta.layer_idx, meta.stage
-                if e.args[0] == "post":  # the next item's receive failed (the next step's)
-                    layer, stage = self._next_of(layer, stage) or (self._first_layer, 0)
-                raise self._link_failure(e, layer, stage) from None
+                raise self._failure_from(e, meta.layer_idx, meta.stage) from None
             if not sent:
                 self._refused_output(output, meta)
             if self._frame_due:
@@ -368,6 +365,14 @@ class P2pFFNConnector(ScheduledFFNConnector):
             return f"step {self._plan.step} is served"
         layer, stage, serving = expected
         return f"layer {layer} stage {stage} is {'being served' if serving else 'next'}"
+
+    def _failure_from(self, e: LinkError, layer_idx: int, stage_idx: int) -> Exception:
+        """A failure of the compiled link while serving (layer, stage): a failed post is the next
+        item's receive (or the next step's first)."""
+        if e.args[0] == "post":
+            layer_idx, stage_idx = (self._next_of(layer_idx, stage_idx)
+                                    or (self._first_layer, 0))
+        return self._link_failure(e, layer_idx, stage_idx)
 
     def _link_failure(self, e: LinkError, layer_idx: int, stage_idx: int) -> Exception:
         return one_link.failure(self._net.data, e, self._one_src,
