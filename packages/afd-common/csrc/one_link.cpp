@@ -2,9 +2,10 @@
 // when it is used; the Python halves (afd_attention/afd_ffn p2p_connector.py) keep every other
 // path and every error message.
 //
-// Each class does, on one Gloo link, exactly what the Python one-link path does with PeerIO:
-// a send and the receive of its answer posted back to back, sends kept alive until a reply proves
-// them taken and waited on (bounded) just before the next blocking wait, receives bounded. What
+// Each class does, on one Gloo link, what the Python one-link path does with PeerIO: a send and
+// the receive of its answer posted back to back, sends kept alive until a reply proves them
+// taken and waited on (bounded) just before the next blocking wait, receives bounded. The FFN
+// half posts one receive more: the next step's first, before its plan (FFNLink). What
 // it refuses (a call out of order, a tensor of another shape) it leaves to the Python path by
 // returning None / false; what fails on the wire it raises as LinkError(kind, detail), which the
 // Python side words (PeerIO.failure).
@@ -266,9 +267,10 @@ class AttentionLink : public Link {
 
 // The FFN half: one attention rank's rows in every stage of the step, the routing computed here.
 // The step is served in order (MoE layers ascending, each layer's stages ascending); each
-// (layer, stage)'s receive is posted with the previous result's send, and the next step's first
-// one with the step's last send (``post_ahead``). A stage without rows has no message either way
-// (the attention half sends none): its item is empty, and nothing is posted or sent for it.
+// (layer, stage)'s receive is posted with the previous result's send (or as the empty item before
+// it is handed out), and the next step's first one with the step's last send (``post_ahead``). A
+// stage without rows has no message either way (the attention half sends none): its item is
+// empty, and nothing is posted or sent for it.
 class FFNLink : public Link {
  public:
   FFNLink(c10::intrusive_ptr<c10d::Backend> pg, int src, at::ScalarType dtype, int64_t hidden,
@@ -276,8 +278,8 @@ class FFNLink : public Link {
       : Link(std::move(pg), src, dtype, hidden), layers_(std::move(moe_layers)),
         max_rows_(max_rows), empty_(at::empty({0, hidden}, at::TensorOptions().dtype(dtype))) {}
 
-  // Take the step: post its first receive (or find it posted ahead). False where the step has
-  // nothing for this link to serve (no MoE layer, no stage): the Python path serves it.
+  // Take the step: post its first receive (or find it posted ahead). False where this link cannot
+  // (closed, no MoE layer, no stage or more than the tags lay out): the Python path serves it.
   bool begin(std::vector<int64_t> stage_rows) {
     state_ = State::kIdle;
     if (!pg_ || layers_.empty() || stage_rows.empty() ||
@@ -333,14 +335,15 @@ class FFNLink : public Link {
         !output.is_cpu())
       return false;
     if (empty_at_ == std::make_pair(layer, stage) && output.size(0) == 0) {
-      empty_at_ = kNowhere;  // the answer of the empty item recv returned last: nothing to send
+      // The answer of the last empty item handed out, whenever it comes: nothing to send.
+      empty_at_ = kNowhere;
       return true;
     }
     if (state_ != State::kServing || layer != layers_[layer_pos_] || stage != stage_ ||
         output.size(0) != rows_[stage])
       return false;
-    state_ = State::kIdle;  // until the next receive is posted
     at::Tensor out = output.is_contiguous() ? output : output.contiguous();
+    state_ = State::kIdle;  // until the next receive is posted
     sends_.keep(post(pg_, true, out, peer_, tag()), out);
     if (!advance()) {
       post_ahead();
@@ -370,7 +373,8 @@ class FFNLink : public Link {
 
   // Two buffers per stage, taken in turn: a (layer, stage)'s rows land where those of two layers
   // back did (afd_common.transport.p2p.ReceiveBuffers says why that is safe, and why a buffer
-  // only grows: no allocation between a result's send and the next receive's post).
+  // only grows: no allocation between a result's send and the next receive's post, but for the
+  // first receive posted ahead, which grows a buffer to max_rows once).
   struct Ring {
     struct Buffer {
       at::Tensor storage, view;
@@ -418,9 +422,12 @@ class FFNLink : public Link {
   // costs those rows a notification round trip (Gloo holds back a send whose receive is not
   // posted). Its size is not known yet: max_rows, which every plan is held to. Gloo takes a
   // shorter message into it, as into any receive (it reports no length), and aborts the process
-  // on a longer one, as on any receive. It lands in the first stage's ring, whose two buffers so
-  // grow to max_rows at once rather than at the first step that large (a long prompt's prefill
-  // chunk). Kept, if the last step's first stage had no rows, for the step that has some.
+  // on a longer one, as on any receive -- and it is posted before the plan is checked against
+  // max_num_tokens, so a peer that sends more rows than that ends the process rather than being
+  // refused by name. It lands in the first stage's ring, whose buffers (one of them, or both,
+  // as the number of MoE layers is even or odd) so grow to max_rows at the first step rather
+  // than at the first step that large (a long prompt's prefill chunk). Kept, if the last step's
+  // first stage had no rows, for the step that has some.
   void post_ahead() {
     if (ahead_ || max_rows_ <= 0) return;
     layer_pos_ = 0;
@@ -439,7 +446,7 @@ class FFNLink : public Link {
   int64_t max_rows_;
   at::Tensor empty_;  // the item of a stage without rows
   static constexpr std::pair<int64_t, int64_t> kNowhere{-1, -1};
-  std::pair<int64_t, int64_t> empty_at_ = kNowhere;  // (layer, stage) of the empty item given last
+  std::pair<int64_t, int64_t> empty_at_ = kNowhere;  // the last empty item handed out
   std::vector<int64_t> rows_;
   std::vector<Ring> rings_;
   size_t layer_pos_ = 0;

@@ -415,7 +415,8 @@ class AttentionConnector(AFDConnector):
 
 class ScheduledFFNConnector(AFDConnector):
     """The step's token counts first (the control plane), then every layer and stage in order,
-    each receive posted with its exact size. Besides the primitives, the step's bookkeeping that
+    each receive sized by them (the P2P connector's compiled link posts a step's first ahead, by
+    the bound they are held to). Besides the primitives, the step's bookkeeping that
     sizes those receives, checked against this role's own limits (``_stage_sources``,
     ``work_item``, ``_check_output``)."""
 

@@ -1,7 +1,8 @@
 """FFN half of ``P2pAFDConnector`` (alias ``P2pNcclAFDConnector``).
 
 Driven by the scheduled loop: the control plane says how many rows each served attention rank has per
-stage, so every receive is posted with its exact size. With sharded experts that is an upper
+stage, so every receive is posted with its exact size (but for the compiled link's first of a
+step, below). With sharded experts that is an upper
 bound: each attention rank's row count for this layer comes first, and a count above the bound is
 refused before anything is allocated. Rank layout and the A:F mapping: ``afd_common.topology``;
 message layout and the order on a link: ``afd_common.transport.p2p``.
@@ -135,10 +136,10 @@ class P2pFFNConnector(ScheduledFFNConnector):
         self._kind, self._ready = self._plan.kind, None
         compiled = self._compiled
         if compiled is not None:
+            self._compiled_step = False  # unless it takes the step
             try:
                 self._compiled_step = compiled.begin([n for (_, n), in self._sources])
             except LinkError as e:
-                self._compiled_step = False
                 raise self._link_failure(e, self._first_layer, 0) from None
             if self._compiled_step:
                 self._frame_due = True  # as below

@@ -6,7 +6,8 @@ send and the receive of its answer on each side. In Python that path ran 15-37 u
 layer above a bare loop of the same Gloo calls (``benchmarks/transport.py``): the code runs
 cold after every wait, at 3-5x its hot cost, and the same logic rewritten minimally in Python
 cost the same. Compiled, it does what the Python path does (the same order of operations, sends
-kept until a reply proves them taken, bounded waits) at the bare loop's CPU.
+kept until a reply proves them taken, bounded waits) at the bare loop's CPU, and the FFN half
+posts each step's first receive before its plan (``afd_ffn.p2p_connector`` says why).
 
 It is used only on a Gloo group, outside the in-order test mode (a Python wrapper), when the
 module was built (afd-common's build hook; without a C++ compiler the wheel is pure Python), and

@@ -2,8 +2,9 @@
 step, the data I/O where the rows move by point-to-point operations, and an orderly close.
 
 A sync connector's FFN side learns each step's token counts from the control plane before any
-hidden state moves, so every receive is posted with its exact size (the bookkeeping is
-``ScheduledFFNConnector``'s, afd_common.contract).
+hidden state moves, so every receive is sized by them (the bookkeeping is
+``ScheduledFFNConnector``'s, afd_common.contract; the P2P connector's compiled link posts a step's
+first receive ahead, sized by the bound they are held to).
 """
 
 from __future__ import annotations
