@@ -468,6 +468,16 @@ def raw_round_trips(raw, x: torch.Tensor, back: torch.Tensor, layers: int,
     return first, time.perf_counter()
 
 
+def connector_layers(conn, x: torch.Tensor, layers: int) -> tuple[float, torch.Tensor]:
+    """The attention side's layers of a step through ``conn``: the clock after the first, and
+    the last result."""
+    for layer in range(layers):
+        y = conn.recv_ffn_output(conn.send_attn_output(x, LayerCall(layer)))
+        if layer == 0:
+            first = time.perf_counter()
+    return first, y
+
+
 def busy(us: float) -> None:
     """Compute (a busy loop) for ``us`` microseconds, as a role's model would."""
     end = time.perf_counter() + us * 1e-6
@@ -490,10 +500,7 @@ def served_pair(conn, raw, step: int, x: torch.Tensor, back: torch.Tensor, args,
     planned = clock()
     busy(args.gap_us)
     layers = clock()
-    for layer in range(args.layers):
-        y = conn.recv_ffn_output(conn.send_attn_output(x, LayerCall(layer)))
-        if layer == 0:
-            first = clock() - layers
+    first, y = connector_layers(conn, x, args.layers)
     conn.end_step()
     end = clock()
     busy(args.gap_us)
@@ -502,7 +509,7 @@ def served_pair(conn, raw, step: int, x: torch.Tensor, back: torch.Tensor, args,
     if logs:
         conn._net.data.group.paused = raw.paused = False
     assert torch.equal(y, x) and torch.equal(back, x)  # the FFN side returns its input
-    return ((planned - start) + (end - layers), raw_end - raw_start, first,
+    return ((planned - start) + (end - layers), raw_end - raw_start, first - layers,
             raw_first - raw_start)
 
 
@@ -526,10 +533,8 @@ def attention_main(args, ports, q) -> None:
                 cpu_start = time.thread_time_ns()
                 now = [time.perf_counter()]
                 conn.begin_step(StepMetadata(step, StepKind.RUN, (t,)))
-                for layer in range(args.layers):
-                    y = conn.recv_ffn_output(conn.send_attn_output(x, LayerCall(layer)))
-                    if layer == 0:
-                        now.append(time.perf_counter())
+                first, y = connector_layers(conn, x, args.layers)
+                now.append(first)
                 conn.end_step()
                 now.append(time.perf_counter())
                 connector_cpu = time.thread_time_ns() - cpu_start
@@ -542,8 +547,7 @@ def attention_main(args, ports, q) -> None:
                 now.extend(floor.step(x, back, args.layers))
                 if py is not None:
                     py.begin_step(StepMetadata(step, StepKind.RUN, (t,)))
-                    for layer in range(args.layers):
-                        w = py.recv_ffn_output(py.send_attn_output(x, LayerCall(layer)))
+                    _, w = connector_layers(py, x, args.layers)
                     py.end_step()
                     now.append(time.perf_counter())
                     assert torch.equal(w, x)
