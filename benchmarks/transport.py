@@ -84,7 +84,6 @@ from afd_common.transport import one_link
 H = 2048
 TOKENS = (1, 16, 128, 512)
 WARMUP = 3  # steps per token count before the measured ones
-MAX_ROWS = max(TOKENS)  # what the floor loop's first receive is posted for, ahead
 FLOOR_TAG = 1  # the floor loop's rows on the raw group (raw and bare use tag 0)
 
 
@@ -229,13 +228,14 @@ class FloorAttention:
 class FloorFFN:
     """The FFN side of the floor loop: the next two plans' receives always posted, as the control
     plane keeps them, and each step's first rows' receive posted with the previous step's last
-    send, ``MAX_ROWS`` rows, as the compiled link posts it; nothing decoded, nothing checked."""
+    send, sized for the most rows of any step (``max_rows``), as the compiled link posts it;
+    nothing decoded, nothing checked."""
 
-    def __init__(self, group):
+    def __init__(self, group, max_rows: int):
         self._group, self._turn = group, 0
         self._frames = [torch.empty(STEP_FRAME_BYTES, dtype=torch.uint8) for _ in range(2)]
         self._plans = [group.recv([f], 0, CONTROL_TAG) for f in self._frames]
-        self._first = torch.empty(MAX_ROWS, H, dtype=torch.bfloat16)
+        self._first = torch.empty(max_rows, H, dtype=torch.bfloat16)
         self._ahead = group.recv([self._first], 0, FLOOR_TAG)
 
     def step(self, rows: int, layers: int) -> None:
@@ -244,16 +244,23 @@ class FloorFFN:
         self._turn = 1 - turn
         self._plans[turn].wait()
         self._plans[turn] = group.recv([self._frames[turn]], 0, CONTROL_TAG)
-        recv, send = self._ahead, None
-        for layer in range(layers):
-            recv.wait()
-            if send is not None:
-                send.wait()
-            send = group.send([bufs[layer % 2]], 0, FLOOR_TAG)
-            if layer + 1 < layers:
-                recv = group.recv([bufs[(layer + 1) % 2]], 0, FLOOR_TAG)
-        send.wait()
+        raw_replies(group, bufs, self._ahead, layers, FLOOR_TAG)
         self._ahead = group.recv([self._first], 0, FLOOR_TAG)
+
+
+def raw_replies(group, bufs: list[torch.Tensor], recv, layers: int, tag: int) -> None:
+    """The FFN side's raw loop: each layer's rows returned as they came, the next layer's receive
+    posted right after the send, into the other of ``bufs``; ``recv`` is the first layer's,
+    posted into ``bufs[0]``."""
+    send = None
+    for layer in range(layers):
+        recv.wait()
+        if send is not None:
+            send.wait()
+        send = group.send([bufs[layer % 2]], 0, tag)
+        if layer + 1 < layers:
+            recv = group.recv([bufs[(layer + 1) % 2]], 0, tag)
+    send.wait()
 
 
 class _Done:
@@ -375,7 +382,7 @@ def ffn_main(args, ports, q) -> None:
     conn = resolve_connector("P2pAFDConnector", "ffn")(config("ffn", ports[0]), 0,
                                                         shape(args.layers))
     raw = bare_group = raw_group(1, ports[1])
-    floor = FloorFFN(bare_group)
+    floor = FloorFFN(bare_group, max(args.tokens))
     cpu: dict[int, list] = {}  # tokens -> (connector, bare) main-thread CPU per step, ns
     with conn:
         py = python_path("ffn", ports[2], args.layers)
@@ -393,15 +400,7 @@ def ffn_main(args, ports, q) -> None:
             # The same number of raw round trips, right after.
             t = plan.per_source[0].stage_tokens[0]
             bufs = [torch.empty(t, H, dtype=torch.bfloat16) for _ in range(2)]
-            recv, send = raw.recv([bufs[0]], 0, 0), None
-            for layer in range(args.layers):
-                recv.wait()
-                if send is not None:
-                    send.wait()
-                send = raw.send([bufs[layer % 2]], 0, 0)
-                if layer + 1 < args.layers:
-                    recv = raw.recv([bufs[(layer + 1) % 2]], 0, 0)
-            send.wait()
+            raw_replies(raw, bufs, raw.recv([bufs[0]], 0, 0), args.layers, 0)
             if served:
                 continue
             # And the bare loop's (not timed by --breakdown).

@@ -309,12 +309,7 @@ class FFNLink : public Link {
       // item (``send`` takes that answer) or not, as on the Python path.
       empty_at_ = {layer, stage};
       state_ = State::kIdle;
-      if (advance()) {
-        post_current();
-        state_ = State::kPosted;
-      } else {
-        post_ahead();
-      }
+      post_next();
       return py::cast(empty_);
     }
     state_ = State::kServing;
@@ -345,12 +340,7 @@ class FFNLink : public Link {
     at::Tensor out = output.is_contiguous() ? output : output.contiguous();
     state_ = State::kIdle;  // until the next receive is posted
     sends_.keep(post(pg_, true, out, peer_, tag()), out);
-    if (!advance()) {
-      post_ahead();
-      return true;
-    }
-    post_current();
-    state_ = State::kPosted;
+    post_next();
     return true;
   }
 
@@ -415,6 +405,17 @@ class FFNLink : public Link {
       return;
     }
     work_ = post(pg_, false, rings_[stage_].take(rows, hidden_, dtype_), peer_, tag());
+  }
+
+  // On from the item just served (its state left idle): the next one's receive, or at the
+  // step's end the next step's first.
+  void post_next() {
+    if (!advance()) {
+      post_ahead();
+      return;
+    }
+    post_current();
+    state_ = State::kPosted;
   }
 
   // The next step's first receive, as the step's last result goes out: the peer sends the next

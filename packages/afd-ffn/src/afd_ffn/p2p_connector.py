@@ -23,8 +23,9 @@ step's plan and its first rows back to back; posted only once the plan is decode
 cost the rows a notification round trip. It is sized by max_num_tokens (every plan is held to
 it): Gloo takes a shorter message into a receive without saying how long it was -- into an
 exactly sized one too, so the size never checked a message against its plan -- and a longer
-one aborts the receiving process (an enforce in Gloo's I/O thread), whatever the receive's size. Measured (``benchmarks/transport.py``, six runs pairing alternate steps with and
-without it): the first layer 10-25 us shorter at 1-16 tokens in every run. The Python here
+one aborts the receiving process (an enforce in Gloo's I/O thread), whatever the receive's
+size. Measured (``benchmarks/transport.py``, six runs pairing alternate steps with and without
+it): the first layer 10-25 us shorter at 1-16 tokens in every run. The Python here
 serves every other case and names what is wrong with a call the compiled link refuses.
 
 On the Python path the next step's first receive waits for its plan. Posting it earlier there
