@@ -69,6 +69,53 @@ def test_a_one_to_one_link_is_compiled_on_both_sides(pair):
     assert a._compiled is not None and f._compiled is not None
 
 
+def test_the_links_answer_the_primitives_until_the_connector_closes():
+    """Each half's per-layer primitives are its link's methods while it is open (no Python frame
+    on a layer's path), the class's again once it closed."""
+    a, f = gloo_pair()
+    for half in (a, f):
+        for name in one_link.PRIMITIVES[half.role]:
+            assert getattr(half, name).__self__ is half._compiled, name
+    a.close()
+    f.close()
+    for half in (a, f):
+        for name in one_link.PRIMITIVES[half.role]:
+            assert name not in vars(half) and getattr(half, name).__self__ is half, name
+
+
+def test_the_next_plans_receive_is_posted_with_the_steps_first_answer(pair):
+    """Two plans' receives stay posted on the FFN side; the one a step's plan took is posted
+    again after the step's first answer, not on the way from the plan to the first rows."""
+    a, f = pair
+    posted = f._net.control._posted
+    a.begin_step(StepMetadata(0, StepKind.RUN, (1, 1)))
+    pending = [a.send_attn_output(torch.ones(1, H), LayerCall(1, s)) for s in (0, 1)]
+    f.recv_step()
+    assert len(posted) == 1
+    item = f.recv_layer(0, 1)
+    f.send_ffn_output(item.hidden_states, item)
+    assert len(posted) == 2
+    item = f.recv_layer(1, 1)
+    f.send_ffn_output(item.hidden_states, item)
+    assert len(posted) == 2
+    for p in pending:
+        assert torch.equal(a.recv_ffn_output(p), torch.ones(1, H))
+
+
+def test_a_runners_row_bound_is_checked_on_the_compiled_path(pair):
+    a, f = pair
+    a.begin_step(StepMetadata(0, StepKind.RUN, (2,)))
+    pending = a.send_attn_output(torch.ones(2, H), LayerCall(1))
+    f.recv_step()
+    with pytest.raises(ValueError, match="step 0 stage 0 brings 2 rows, more than "
+                                         "max_num_tokens 1"):
+        f.recv_layer(0, 1, max_num_tokens=1)
+    item = f.recv_layer(0, 1, max_num_tokens=2)
+    assert f._compiled_step and item.meta.sources == ((0, 2),) and item.meta.step == 0
+    f.send_ffn_output(item.hidden_states, item)
+    assert torch.equal(a.recv_ffn_output(pending), torch.ones(2, H))
+
+
 def test_env_keeps_the_python_path(monkeypatch):
     monkeypatch.setenv(one_link.ENV, "0")
     a, f = gloo_pair()

@@ -10,6 +10,7 @@
 // returning None / false; what fails on the wire it raises as LinkError(kind, detail), which the
 // Python side words (PeerIO.failure).
 
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/headeronly/version.h>
@@ -40,6 +41,10 @@ struct LinkError {
 // LinkError's Python type (a RuntimeError), made once and never freed: nothing to tear down
 // after the interpreter is gone.
 PyObject* link_error_type = nullptr;
+
+// "current_s", interned once and never freed: the attribute of the connector's Timeouts read on
+// every wait (the bound is the first step's until one ends, then the step timeout's).
+PyObject* current_s_name = nullptr;
 
 std::string message(const std::exception& e) {
   const auto* c10e = dynamic_cast<const c10::Error*>(&e);
@@ -150,6 +155,50 @@ std::vector<bool> layer_mask(const std::vector<int64_t>& moe_layers, int64_t num
   return moe;
 }
 
+// ``t[0]`` and ``t[1]`` of a tuple of at least ``size`` items, as ints: a LayerCall (layer,
+// stage), a WorkItemMeta (layer, stage, ...). False for anything else (the Python path names it).
+bool as_int(PyObject* x, int64_t& v) {
+  if (!PyLong_CheckExact(x)) return false;
+  int over = 0;
+  v = PyLong_AsLongLongAndOverflow(x, &over);
+  return !over;
+}
+
+bool first_two_ints(py::handle t, Py_ssize_t size, int64_t& a, int64_t& b) {
+  PyObject* p = t.ptr();
+  return PyTuple_Check(p) && PyTuple_GET_SIZE(p) >= size && as_int(PyTuple_GET_ITEM(p, 0), a) &&
+         as_int(PyTuple_GET_ITEM(p, 1), b);
+}
+
+// One of the contract's NamedTuples made from its fields, as ``metadata.new_tuple`` makes it.
+py::object new_tuple(const py::object& type, const py::tuple& fields) {
+  py::tuple args = py::make_tuple(fields);
+  PyObject* made = PyTuple_Type.tp_new(reinterpret_cast<PyTypeObject*>(type.ptr()), args.ptr(),
+                                       nullptr);
+  if (made == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(made);
+}
+
+// The connector's wait bound now (its Timeouts' current_s).
+double current_timeout(const py::object& timeouts) {
+  py::object s = py::reinterpret_steal<py::object>(PyObject_GetAttr(timeouts.ptr(),
+                                                                    current_s_name));
+  if (!s) throw py::error_already_set();
+  double v = PyFloat_AsDouble(s.ptr());
+  if (v == -1.0 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+// Raise the connector's error for a failure on the wire: ``failure(LinkError(kind, detail),
+// *where)`` words it as the Python path does.
+template <typename... Where>
+[[noreturn]] void raise_failure(const py::object& failure, const LinkError& e, Where&&... where) {
+  py::object err = py::handle(link_error_type)(e.kind, e.detail);
+  py::object exc = failure(err, std::forward<Where>(where)...);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  throw py::error_already_set();
+}
+
 // What both halves hold: the group, the peer, the rows' dtype and width, the sends to settle.
 class Link {
  public:
@@ -252,7 +301,71 @@ class AttentionLink : public Link {
     release();
   }
 
+  // The connector's primitives served here, with no Python frame on the path of a layer
+  // (afd_common.transport.one_link.serve): what the connector needs to make their answers and
+  // word its errors as its Python does, then its own methods, which take every call refused here.
+  void bind(py::object pending_type, py::object inflight, py::object timeouts,
+            py::object failure, py::object send_python, py::object recv_python) {
+    pending_type_ = std::move(pending_type);
+    inflight_ = std::move(inflight);
+    timeouts_ = std::move(timeouts);
+    failure_ = std::move(failure);
+    send_python_ = std::move(send_python);
+    recv_python_ = std::move(recv_python);
+  }
+
+  // ``send_attn_output``: a PendingResult whose state is this link, or the Python method's
+  // answer (a call sent by the Python path already, routing from the attention side, anything
+  // ``send`` refuses).
+  static py::object send_attn_output(py::object self, py::handle hidden, py::handle call,
+                                     py::handle topk_ids, py::handle topk_weights) {
+    auto& link = self.cast<AttentionLink&>();
+    int64_t layer, stage;
+    if (topk_ids.is_none() && THPVariable_Check(hidden.ptr()) &&
+        first_two_ints(call, 2, layer, stage) && PyTuple_GET_SIZE(call.ptr()) == 2 &&
+        !link.sent_by_python(call)) {
+      bool took;
+      try {
+        took = link.send(THPVariable_Unpack(hidden.ptr()), layer, stage);
+      } catch (const LinkError& e) {
+        raise_failure(link.failure_, e, call);
+      }
+      if (took) return new_tuple(link.pending_type_, py::make_tuple(call, self));
+    }
+    return link.send_python_(hidden, call, topk_ids, topk_weights);
+  }
+
+  // ``recv_ffn_output``: the result of a call this link took, or the Python method's answer.
+  static py::object recv_ffn_output(py::object self, py::handle pending) {
+    auto& link = self.cast<AttentionLink&>();
+    PyObject* p = pending.ptr();
+    int64_t layer, stage;
+    if (PyTuple_Check(p) && PyTuple_GET_SIZE(p) == 2 && PyTuple_GET_ITEM(p, 1) == self.ptr()) {
+      py::handle call = PyTuple_GET_ITEM(p, 0);
+      if (first_two_ints(call, 2, layer, stage)) {
+        py::object out;
+        try {
+          out = link.recv(layer, stage, current_timeout(link.timeouts_));
+        } catch (const LinkError& e) {
+          raise_failure(link.failure_, e, call);
+        }
+        if (!out.is_none()) return out;
+      }
+    }
+    return link.recv_python_(pending);
+  }
+
  private:
+  bool sent_by_python(py::handle call) const {
+    PyObject* s = inflight_.ptr();
+    if (PySet_GET_SIZE(s) == 0) return false;
+    int in = PySet_Contains(s, call.ptr());
+    if (in < 0) PyErr_Clear();  // unhashable: the Python path names it
+    return in != 0;
+  }
+
+  py::object pending_type_, inflight_, timeouts_, send_python_, recv_python_, failure_;
+
   struct Slot {
     c10::intrusive_ptr<c10d::Work> work;
     at::Tensor out;
@@ -280,10 +393,14 @@ class FFNLink : public Link {
 
   // Take the step: post its first receive (or find it posted ahead). False where this link cannot
   // (closed, no MoE layer, no stage or more than the tags lay out): the Python path serves it.
-  bool begin(std::vector<int64_t> stage_rows) {
+  // ``step``, ``kind`` and ``sources`` (per stage, the attention ranks and rows) go into the
+  // step's work items.
+  bool begin(std::vector<int64_t> stage_rows, int64_t step, py::object kind, py::list sources) {
     state_ = State::kIdle;
+    serving_ = false;
     if (!pg_ || layers_.empty() || stage_rows.empty() ||
-        static_cast<int64_t>(stage_rows.size()) > kMaxStages)
+        static_cast<int64_t>(stage_rows.size()) > kMaxStages ||
+        static_cast<size_t>(PyList_GET_SIZE(sources.ptr())) != stage_rows.size())
       return false;
     for (auto n : stage_rows) {
       // The Python side refused a plan above max_num_tokens before this (contract._on_step):
@@ -297,6 +414,11 @@ class FFNLink : public Link {
     empty_at_ = kNowhere;
     post_current();
     state_ = State::kPosted;
+    step_ = step;
+    kind_ = std::move(kind);
+    sources_ = std::move(sources);
+    serving_ = true;
+    frame_due_ = true;
     return true;
   }
 
@@ -332,6 +454,7 @@ class FFNLink : public Link {
     if (empty_at_ == std::make_pair(layer, stage) && output.size(0) == 0) {
       // The answer of the last empty item handed out, whenever it comes: nothing to send.
       empty_at_ = kNowhere;
+      sent();
       return true;
     }
     if (state_ != State::kServing || layer != layers_[layer_pos_] || stage != stage_ ||
@@ -341,6 +464,7 @@ class FFNLink : public Link {
     state_ = State::kIdle;  // until the next receive is posted
     sends_.keep(post(pg_, true, out, peer_, tag()), out);
     post_next();
+    sent();
     return true;
   }
 
@@ -355,10 +479,89 @@ class FFNLink : public Link {
     work_.reset();
     ahead_.reset();
     state_ = State::kIdle;
+    serving_ = false;
     release();
   }
 
+  // The connector's primitives served here (as AttentionLink::bind): the work items' types, its
+  // Timeouts, how it words a failure, what it does after a step's first answer (posts the
+  // receive of the next steps' plans), then its own methods for every call refused here.
+  void bind(py::object item_type, py::object meta_type, py::object timeouts, py::object failure,
+            py::object after_first_send, py::object recv_python, py::object send_python) {
+    item_type_ = std::move(item_type);
+    meta_type_ = std::move(meta_type);
+    timeouts_ = std::move(timeouts);
+    failure_ = std::move(failure);
+    after_first_send_ = std::move(after_first_send);
+    recv_python_ = std::move(recv_python);
+    send_python_ = std::move(send_python);
+  }
+
+  // ``recv_layer``: the WorkItem of the (layer, stage) posted next, or the Python method's answer
+  // (a step this link does not serve, a call out of order, more rows than max_num_tokens).
+  py::object recv_layer(py::handle stage_idx, py::handle layer_idx, py::handle max_num_tokens) {
+    int64_t layer, stage;
+    if (serving_ && as_int(layer_idx.ptr(), layer) && as_int(stage_idx.ptr(), stage) &&
+        within(max_num_tokens, stage)) {
+      py::object hidden;
+      try {
+        hidden = recv(stage, layer, current_timeout(timeouts_));
+      } catch (const LinkError& e) {
+        raise_failure(failure_, e, layer, stage);
+      }
+      if (!hidden.is_none()) {
+        py::object meta = new_tuple(meta_type_, py::make_tuple(
+            layer, stage, step_, py::handle(PyList_GET_ITEM(sources_.ptr(), stage)), false,
+            kind_));
+        return new_tuple(item_type_, py::make_tuple(hidden, meta, py::none(), py::none(),
+                                                    py::none()));
+      }
+    }
+    return recv_python_(stage_idx, layer_idx, max_num_tokens);
+  }
+
+  // ``send_ffn_output``: the result of the item served, or the Python method for anything else.
+  void send_ffn_output(py::handle output, py::handle item) {
+    int64_t layer, stage;
+    PyObject* it = item.ptr();
+    if (serving_ && THPVariable_Check(output.ptr()) && PyTuple_Check(it) &&
+        PyTuple_GET_SIZE(it) >= 2 && first_two_ints(PyTuple_GET_ITEM(it, 1), 2, layer, stage)) {
+      bool took;
+      try {
+        took = send(THPVariable_Unpack(output.ptr()), stage, layer);
+      } catch (const LinkError& e) {
+        raise_failure(failure_, e, layer, stage);
+      }
+      if (took) return;
+    }
+    send_python_(output, item);
+  }
+
  private:
+  // Rows of ``stage`` within ``max_num_tokens`` (None: no bound asked).
+  bool within(py::handle max_num_tokens, int64_t stage) const {
+    if (max_num_tokens.is_none()) return true;
+    int64_t bound;
+    return stage >= 0 && stage < static_cast<int64_t>(rows_.size()) &&
+           as_int(max_num_tokens.ptr(), bound) && rows_[stage] <= bound;
+  }
+
+  // After an answer taken: the step's first one also posts what the connector posts then.
+  void sent() {
+    if (!frame_due_) return;
+    frame_due_ = false;
+    if (after_first_send_) after_first_send_();
+  }
+
+  py::object item_type_, meta_type_, timeouts_, recv_python_, send_python_, failure_,
+      after_first_send_;
+  // The step this link serves (``begin``): what its work items carry.
+  bool serving_ = false;
+  bool frame_due_ = false;
+  int64_t step_ = 0;
+  py::object kind_;
+  py::list sources_;
+
   enum class State { kIdle, kPosted, kServing };
 
   // Two buffers per stage, taken in turn: a (layer, stage)'s rows land where those of two layers
@@ -473,6 +676,10 @@ PYBIND11_MODULE(_one_link, m) {
     if (link_error_type == nullptr) throw py::error_already_set();
   }
   m.attr("LinkError") = py::handle(link_error_type);
+  if (current_s_name == nullptr) {
+    current_s_name = PyUnicode_InternFromString("current_s");
+    if (current_s_name == nullptr) throw py::error_already_set();
+  }
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -496,7 +703,12 @@ PYBIND11_MODULE(_one_link, m) {
       .def("num_in_flight", &AttentionLink::num_in_flight)
       .def("holds", &AttentionLink::holds)
       .def("end_step", &AttentionLink::end_step)
-      .def("drop", &AttentionLink::drop);
+      .def("drop", &AttentionLink::drop)
+      .def("bind", &AttentionLink::bind)
+      .def("send_attn_output", &AttentionLink::send_attn_output, py::arg("hidden_states"),
+           py::arg("call"), py::arg("topk_ids") = py::none(),
+           py::arg("topk_weights") = py::none())
+      .def("recv_ffn_output", &AttentionLink::recv_ffn_output, py::arg("pending"));
 
   py::class_<FFNLink, Link>(m, "FFNLink")
       .def(py::init<c10::intrusive_ptr<c10d::Backend>, int, at::ScalarType, int64_t,
@@ -507,5 +719,9 @@ PYBIND11_MODULE(_one_link, m) {
       .def("recv", &FFNLink::recv)
       .def("send", &FFNLink::send)
       .def("expected", &FFNLink::expected)
-      .def("drop", &FFNLink::drop);
+      .def("drop", &FFNLink::drop)
+      .def("bind", &FFNLink::bind)
+      .def("recv_layer", &FFNLink::recv_layer, py::arg("stage_idx"), py::arg("layer_idx"),
+           py::arg("max_num_tokens") = py::none())
+      .def("send_ffn_output", &FFNLink::send_ffn_output, py::arg("output"), py::arg("item"));
 }

@@ -57,7 +57,10 @@ class P2pAttentionConnector(AttentionConnector):
     def _open(self):
         net = open_p2p_world(self, self.backend)
         if self._one_dst is not None:
-            self._compiled = one_link.attention_link(net.data, self._one_dst, self.shape)
+            link = self._compiled = one_link.attention_link(net.data, self._one_dst, self.shape)
+            if link is not None:
+                one_link.serve(self, link, PendingResult, self._inflight, self.timeouts,
+                               self._link_failure)
         return net
 
     def begin_step(self, meta) -> None:
@@ -200,4 +203,5 @@ class P2pAttentionConnector(AttentionConnector):
         finally:
             link, self._compiled = self._compiled, None
             if link is not None:
+                one_link.unserve(self)
                 link.drop()

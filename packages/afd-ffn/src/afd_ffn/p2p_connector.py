@@ -120,7 +120,10 @@ class P2pFFNConnector(ScheduledFFNConnector):
                                        self.device)
         net = open_p2p_world(self, self.backend)
         if self._one_src is not None:
-            self._compiled = one_link.ffn_link(net.data, self._one_src, shape)
+            link = self._compiled = one_link.ffn_link(net.data, self._one_src, shape)
+            if link is not None:
+                one_link.serve(self, link, WorkItem, WorkItemMeta, self.timeouts,
+                               self._failure_from, self._post_frame)
         self._compiled_step = False
         return net
 
@@ -138,13 +141,14 @@ class P2pFFNConnector(ScheduledFFNConnector):
         compiled = self._compiled
         if compiled is not None:
             self._compiled_step = False  # unless it takes the step
+            plan = self._plan
             try:
-                self._compiled_step = compiled.begin([n for (_, n), in self._sources])
+                self._compiled_step = compiled.begin([n for (_, n), in self._sources], plan.step,
+                                                     self._kind, self._sources)
             except LinkError as e:
                 raise self._link_failure(e, self._first_layer, 0) from None
             if self._compiled_step:
-                self._frame_due = True  # as below
-                return
+                return  # it posts the next plans' receive after the first answer, as below
         if self._first_layer is not None and self._sources:
             self._posted = self._post(self._first_layer, 0, self._sources[0])
             # Between this and the step's first wait it would delay rows that are likely in
@@ -275,8 +279,6 @@ class P2pFFNConnector(ScheduledFFNConnector):
                 raise self._failure_from(e, meta.layer_idx, meta.stage) from None
             if not sent:
                 self._refused_output(output, meta)
-            if self._frame_due:
-                self._post_frame()
             return
         ready = self._ready
         if (ready is not None and ready.meta is meta and output.shape == ready.shape
@@ -384,6 +386,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
     def _release(self, net) -> None:
         compiled, self._compiled, self._compiled_step = self._compiled, None, False
         if compiled is not None:
+            one_link.unserve(self)
             try:  # before drop(), which lets go of the sends
                 compiled.flush(min(5.0, self.timeouts.step_s))
             except Exception:  # noqa: BLE001 - the peer may be gone; closing must not fail
