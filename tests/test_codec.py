@@ -21,9 +21,12 @@ def test_step_roundtrip(meta):
     frame = codec.encode_step(meta)
     assert len(frame) <= codec.STEP_FRAME_BYTES
     assert codec.decode_step(frame) == meta
-    # Through the fixed-size tensor slot the control plane uses.
-    slot = codec.to_tensor(frame, codec.STEP_FRAME_BYTES)
-    assert codec.decode_step(bytes(memoryview(slot.numpy()))) == meta
+    # Through the fixed-size slot the control plane sends from, written over an older frame
+    # (its tail zeroed), and decoded where it lands.
+    slot = bytearray(b"\xff" * codec.STEP_FRAME_BYTES)
+    assert codec.encode_step_into(meta, memoryview(slot)) == len(frame)
+    assert slot[:len(frame)] == frame and not any(slot[len(frame):])
+    assert codec.decode_step(memoryview(slot)) == meta
 
 
 @settings(max_examples=2000, deadline=None)

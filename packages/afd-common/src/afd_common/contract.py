@@ -284,13 +284,12 @@ class AttentionConnector(AFDConnector):
                                  f"{list(meta.stage_tokens)[:8]}), more than max_num_tokens "
                                  f"{self.shape.max_num_tokens} (--max-num-batched-tokens), "
                                  "which both roles size their messages by")
+            control.send_step(meta)  # first: the FFN side's first rows wait for it
         self._step = meta
         h, k = self.shape.hidden_size, self.shape.top_k
         gate = self.config.compute_gate_on_attention
         self._expect = tuple((torch.Size((n, h)), torch.Size((n, k)) if gate else None)
                              for n in meta.stage_tokens)
-        if control is not None:
-            control.send_step(meta)
 
     @abc.abstractmethod
     def send_attn_output(self, hidden_states: torch.Tensor, call: LayerCall,
@@ -476,9 +475,14 @@ class ScheduledFFNConnector(AFDConnector):
                     f"max_num_tokens {self.shape.max_num_tokens}")
         self._plan = plan
         # (attention rank, rows) per stage, in batch order: the same for every layer of the step.
+        links = self._links
+        if len(links) == 1 and links[0].num_chunks == 1:  # every row of one attention rank
+            a = links[0].attention_rank
+            self._sources = [((a, n),) for n in plan.per_source[a].stage_tokens]
+            return
         self._sources = [tuple((link.attention_rank, self.topology.chunk_rows(
             link, plan.per_source[link.attention_rank].stage_tokens[stage]))
-            for link in self._links) for stage in range(plan.num_stages)]
+            for link in links) for stage in range(plan.num_stages)]
 
     def _stage_sources(self, stage_idx: int, max_num_tokens: int | None,
                        layer_idx: int) -> tuple[tuple[int, int], ...]:

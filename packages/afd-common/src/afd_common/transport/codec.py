@@ -27,8 +27,6 @@ import json
 import struct
 from typing import Any
 
-import torch
-
 from afd_common.errors import AFDProtocolError
 from afd_common.metadata import MAX_STAGES, StepKind, StepMetadata
 
@@ -73,21 +71,36 @@ def _unframe(data: bytes, expected: FrameKind) -> bytes:
     return bytes(data[_HEADER.size:_HEADER.size + length])
 
 
-def encode_step(meta: StepMetadata) -> bytes:
-    if not 1 <= meta.num_stages <= MAX_STAGES:
-        raise ValueError(f"num_stages {meta.num_stages} not in [1, {MAX_STAGES}]")
-    if meta.step < 0 or any(not 0 <= n < MAX_TOKENS for n in meta.stage_tokens):
-        raise ValueError(f"step {meta.step} / stage tokens {meta.stage_tokens} out of range")
-    payload = _STEP_HEAD.pack(meta.step, int(meta.kind), meta.num_stages)
-    payload += struct.pack(f"<{meta.num_stages}q", *meta.stage_tokens)
-    return _frame(FrameKind.STEP, payload)
-
-
 #: A STEP frame's header and payload head in one, and the stage counts' layout by their number:
-#: decoded at once on the path from a step's plan to its first receive.
+#: packed and unpacked at once on the path from a step's start to its first rows.
 _STEP_FRAME_HEAD = struct.Struct("<2sBBIqBH")
 _STAGE_TOKENS = [struct.Struct(f"<{n}q") for n in range(MAX_STAGES + 1)]
 _STEP = int(FrameKind.STEP)
+_ZEROS = memoryview(bytes(STEP_FRAME_BYTES))
+
+
+def encode_step_into(meta: StepMetadata, buf) -> int:
+    """Write ``meta``'s STEP frame at the start of ``buf`` (writable, ``STEP_FRAME_BYTES`` long:
+    the control plane's send slot), zeros after it; its length. In place: this runs between a
+    step's start and its plan's send, which the FFN side's first rows wait for."""
+    tokens = meta.stage_tokens
+    n = len(tokens)
+    if not 1 <= n <= MAX_STAGES:
+        raise ValueError(f"num_stages {n} not in [1, {MAX_STAGES}]")
+    if meta.step < 0 or min(tokens) < 0 or max(tokens) >= MAX_TOKENS:
+        raise ValueError(f"step {meta.step} / stage tokens {tokens} out of range")
+    head = _STEP_FRAME_HEAD.size
+    _STEP_FRAME_HEAD.pack_into(buf, 0, MAGIC, WIRE_VERSION, _STEP, _STEP_HEAD.size + 8 * n,
+                               meta.step, int(meta.kind), n)
+    _STAGE_TOKENS[n].pack_into(buf, head, *tokens)
+    end = head + 8 * n
+    buf[end:] = _ZEROS[end:]
+    return end
+
+
+def encode_step(meta: StepMetadata) -> bytes:
+    buf = bytearray(STEP_FRAME_BYTES)
+    return bytes(buf[:encode_step_into(meta, buf)])
 
 
 def decode_step(data: bytes) -> StepMetadata:
@@ -144,11 +157,3 @@ def decode_json(data: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise AFDProtocolError(f"JSON payload is a {type(obj).__name__}, expected an object")
     return obj
-
-
-def to_tensor(frame: bytes, size: int) -> torch.Tensor:
-    """A frame padded to ``size`` bytes as a uint8 tensor, ready for a fixed-size send."""
-    if len(frame) > size:
-        raise ValueError(f"frame of {len(frame)} bytes exceeds the {size}-byte slot")
-    return torch.frombuffer(bytearray(frame.ljust(size, b"\0")), dtype=torch.uint8)
-

@@ -10,7 +10,7 @@ from collections import deque
 
 import torch
 
-from afd_common.transport.codec import STEP_FRAME_BYTES, decode_step, encode_step, to_tensor
+from afd_common.transport.codec import STEP_FRAME_BYTES, decode_step, encode_step_into
 from afd_common.contract import ControlPlane, StepPlan
 from afd_common.errors import AFDPeerError, AFDProtocolError
 from afd_common.metadata import StepMetadata
@@ -36,14 +36,24 @@ class GlooControlPlane(ControlPlane):
         self._turn = 0
         # (slot, peer) -> that frame buffer and its bytes, two slots taken in turn (FFN side)
         self._frames: dict[tuple[int, int], tuple[torch.Tensor, memoryview]] = {}
+        # The attention side's frames, two taken in turn: each is written again two steps after
+        # it was sent, once its send is settled.
+        self._outgoing = [(t, memoryview(t.numpy())) for t in (
+            torch.zeros(STEP_FRAME_BYTES, dtype=torch.uint8) for _ in range(2))
+            ] if role == "attention" else []
+        self._send_turn = 0
 
     def send_step(self, meta: StepMetadata) -> None:
-        # The previous step's frames are long taken by now (the FFN side answered that step), so
-        # settling them costs nothing and bounds the memory held by in-flight sends.
-        self.io.flush(self._send_timeout_s)
-        frame = to_tensor(encode_step(meta), STEP_FRAME_BYTES)
+        # The plan goes out first: the FFN side's first rows wait for it (the step's start is the
+        # one stretch of a step where both roles run code at once).
+        frame, buf = self._outgoing[self._send_turn]
+        self._send_turn = 1 - self._send_turn
+        encode_step_into(meta, buf)
         for peer in self.peers:
             self.io.isend(frame, peer, CONTROL_TAG)
+        # The step before's frames are long taken (the FFN side answered that step): settled,
+        # their slot is free for the next step.
+        self.io.settle_older(self._send_timeout_s)
 
     def _post(self) -> None:
         """The receives of one more step's frames. A slot's buffers are posted again only after
@@ -71,20 +81,21 @@ class GlooControlPlane(ControlPlane):
         per_source: dict[int, StepMetadata] = {}
         for peer, pending in bufs.items():
             self.io.wait(pending, timeout_s)
-            raw = bytes(self._frames[slot, peer][1])
-            try:
-                per_source[self.peers[peer]] = decode_step(raw)
+            try:  # straight from the buffer: decoding copies every value out
+                per_source[self.peers[peer]] = first = decode_step(self._frames[slot, peer][1])
             except AFDProtocolError as e:
                 raise AFDPeerError(f"malformed step metadata from global rank {peer}: {e}") from None
-        (a0, first), *rest = per_source.items()
-        for a, meta in rest:
-            if (meta.step, meta.kind, meta.num_stages) != (first.step, first.kind,
-                                                           first.num_stages):
-                raise AFDProtocolError(
-                    f"attention ranks out of step: attention rank {a0} announced step "
-                    f"{first.step} ({first.kind.name}, {first.num_stages} stages), attention "
-                    f"rank {a} step {meta.step} ({meta.kind.name}, {meta.num_stages} stages)")
-        return StepPlan(step=first.step, per_source=per_source)
+        if len(per_source) > 1:
+            (a0, first), *rest = per_source.items()
+            for a, meta in rest:
+                if (meta.step, meta.kind, meta.num_stages) != (first.step, first.kind,
+                                                               first.num_stages):
+                    raise AFDProtocolError(
+                        f"attention ranks out of step: attention rank {a0} announced step "
+                        f"{first.step} ({first.kind.name}, {first.num_stages} stages), "
+                        f"attention rank {a} step {meta.step} ({meta.kind.name}, "
+                        f"{meta.num_stages} stages)")
+        return StepPlan(first.step, per_source)
 
 
 def link_peers(topology: Topology, role: str, local_rank: int,

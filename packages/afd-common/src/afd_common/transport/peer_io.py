@@ -180,6 +180,12 @@ class PeerIO:
             except RuntimeError as e:
                 raise self.failure("settle", dst, None, timeout_s, str(e)) from None
 
+    def settle_older(self, timeout_s: float) -> None:
+        """Wait (bounded) for every send to each peer but the last."""
+        for dst, sends in self._pending.items():
+            if len(sends) > 1:
+                self._settle(dst, timeout_s, len(sends) - 1)
+
     def flush(self, timeout_s: float) -> None:
         """Wait (bounded) until every peer took what we sent."""
         for dst in list(self._pending):
