@@ -260,9 +260,10 @@ class AttentionConnector(AFDConnector):
         super().__init__(*args, **kwargs)
         self._step: StepMetadata | None = None
         self._inflight: set[LayerCall] = set()  # sent, result not yet received
-        # What a send of each stage of the current step must look like (begin_step): (hidden
-        # rows' size, routing's size or None).
-        self._expect: tuple[tuple[torch.Size, torch.Size | None], ...] = ()
+        # What a send of each stage of the current step must look like: (hidden rows' size,
+        # routing's size or None); made by the step's first ``_check_send`` (None until then: a
+        # half whose compiled path takes every call never needs it).
+        self._expect: tuple[tuple[torch.Size, torch.Size | None], ...] | None = None
         self._moe_set = frozenset(self.shape.moe_layers)
 
     # -- the primitives ----------------------------------------------------------------------
@@ -285,11 +286,7 @@ class AttentionConnector(AFDConnector):
                                  f"{self.shape.max_num_tokens} (--max-num-batched-tokens), "
                                  "which both roles size their messages by")
             control.send_step(meta)  # first: the FFN side's first rows wait for it
-        self._step = meta
-        h, k = self.shape.hidden_size, self.shape.top_k
-        gate = self.config.compute_gate_on_attention
-        self._expect = tuple((torch.Size((n, h)), torch.Size((n, k)) if gate else None)
-                             for n in meta.stage_tokens)
+        self._step, self._expect = meta, None
 
     @abc.abstractmethod
     def send_attn_output(self, hidden_states: torch.Tensor, call: LayerCall,
@@ -349,6 +346,8 @@ class AttentionConnector(AFDConnector):
         check one by one, which names what is wrong."""
         layer, stage = call
         expect = self._expect
+        if expect is None:
+            expect = self._expect = self._expected()
         if (0 <= stage < len(expect) and hidden.dtype == self.shape.dtype
                 and layer in self._moe_set and call not in self._inflight
                 and self._net is not None):
@@ -359,6 +358,15 @@ class AttentionConnector(AFDConnector):
                     and topk_ids.shape == routing and topk_weights.shape == routing):
                 return size[0]
         return self._check_send_one_by_one(hidden, call, topk_ids, topk_weights)
+
+    def _expected(self) -> tuple[tuple[torch.Size, torch.Size | None], ...]:
+        """``_expect`` for the current step (none before the first)."""
+        if self._step is None:
+            return ()
+        h, k = self.shape.hidden_size, self.shape.top_k
+        gate = self.config.compute_gate_on_attention
+        return tuple((torch.Size((n, h)), torch.Size((n, k)) if gate else None)
+                     for n in self._step.stage_tokens)
 
     def _check_send_one_by_one(self, hidden, call, topk_ids, topk_weights) -> int:
         self._require_net()
