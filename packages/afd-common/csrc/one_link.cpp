@@ -8,7 +8,9 @@
 // half posts one receive more: the next step's first, before its plan (FFNLink). What
 // it refuses (a call out of order, a tensor of another shape) it leaves to the Python path by
 // returning None / false; what fails on the wire it raises as LinkError(kind, detail), which the
-// Python side words (PeerIO.failure).
+// Python side words (PeerIO.failure). Bound to its connector (``bind``), each class also answers
+// the connector's per-layer primitives itself, calling the connector's own methods for what it
+// refuses and its wording for what fails.
 
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>

@@ -7,7 +7,8 @@ layer above a bare loop of the same Gloo calls (``benchmarks/transport.py``): th
 cold after every wait, at 3-5x its hot cost, and the same logic rewritten minimally in Python
 cost the same. Compiled, it does what the Python path does (the same order of operations, sends
 kept until a reply proves them taken, bounded waits) at the bare loop's CPU, and the FFN half
-posts each step's first receive before its plan (``afd_ffn.p2p_connector`` says why).
+posts each step's first receive before its plan (``afd_ffn.p2p_connector`` says why). While
+the connector is open the link answers its per-layer primitives itself (``serve``).
 
 It is used only on a Gloo group, outside the in-order test mode (a Python wrapper), when the
 module was built (afd-common's build hook; without a C++ compiler the wheel is pure Python), and
