@@ -113,10 +113,10 @@ def serve(half, link, *context) -> None:
     until ``unserve`` and the connector letting go of the link (its close) part them.
 
     A connector's methods in Python, even as thin as the compiled path leaves them (a check, the
-    link's call, the answer's tuple), cost each layer's round trip 5-8 us at 1 token on the
+    link's call, the answer's tuple), cost each layer's round trip 3-8 us at 1 token on the
     2-vCPU VM of ``benchmarks/transport.py``: one Python frame per primitive, run cold after
     every wait. Called straight, the link's methods ran layers 2-16 of a step at 1.00-1.09x raw
-    Gloo where the connector's ran at 1.03-1.12x (paired steps, five runs)."""
+    Gloo where the connector's ran at 1.08-1.12x (paired steps, four runs)."""
     names = PRIMITIVES[half.role]
     link.bind(*context, *(getattr(type(half), name).__get__(half) for name in names))
     for name in names:
