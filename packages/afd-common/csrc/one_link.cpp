@@ -213,6 +213,19 @@ class Link {
     sends_.settle_all(timeout_s);
   }
 
+  // Bound to its connector, whose per-layer primitives the link then answers itself, with no
+  // Python frame on a layer's path (afd_common.transport.one_link.serve): the connector's
+  // Timeouts, how it words a failure on the wire, and its own methods for those primitives (in
+  // one_link.PRIMITIVES order), which take every call refused here. Each half binds the rest
+  // it needs with ``bind``.
+  void bind_connector(py::object timeouts, py::object failure, py::object first_python,
+                      py::object second_python) {
+    timeouts_ = std::move(timeouts);
+    failure_ = std::move(failure);
+    python_[0] = std::move(first_python);
+    python_[1] = std::move(second_python);
+  }
+
  protected:
   // The connector closed: let go of the group and the sends; every call is refused from now on.
   void release() {
@@ -225,6 +238,8 @@ class Link {
   at::ScalarType dtype_;
   int64_t hidden_;
   Sends sends_;
+  py::object timeouts_, failure_;
+  py::object python_[2];  // the connector's own methods (bind_connector)
 };
 
 // The attention half: every row of the rank to one FFN rank, which computes the routing.
@@ -303,17 +318,11 @@ class AttentionLink : public Link {
     release();
   }
 
-  // The connector's primitives served here, with no Python frame on the path of a layer
-  // (afd_common.transport.one_link.serve): what the connector needs to make their answers and
-  // word its errors as its Python does, then its own methods, which take every call refused here.
-  void bind(py::object pending_type, py::object inflight, py::object timeouts,
-            py::object failure, py::object send_python, py::object recv_python) {
+  // What this half needs besides (bind_connector): PendingResult, and the connector's calls in
+  // flight on its Python path.
+  void bind(py::object pending_type, py::object inflight) {
     pending_type_ = std::move(pending_type);
     inflight_ = std::move(inflight);
-    timeouts_ = std::move(timeouts);
-    failure_ = std::move(failure);
-    send_python_ = std::move(send_python);
-    recv_python_ = std::move(recv_python);
   }
 
   // ``send_attn_output``: a PendingResult whose state is this link, or the Python method's
@@ -334,7 +343,7 @@ class AttentionLink : public Link {
       }
       if (took) return new_tuple(link.pending_type_, py::make_tuple(call, self));
     }
-    return link.send_python_(hidden, call, topk_ids, topk_weights);
+    return link.python_[0](hidden, call, topk_ids, topk_weights);
   }
 
   // ``recv_ffn_output``: the result of a call this link took, or the Python method's answer.
@@ -354,7 +363,7 @@ class AttentionLink : public Link {
         if (!out.is_none()) return out;
       }
     }
-    return link.recv_python_(pending);
+    return link.python_[1](pending);
   }
 
  private:
@@ -366,7 +375,7 @@ class AttentionLink : public Link {
     return in != 0;
   }
 
-  py::object pending_type_, inflight_, timeouts_, send_python_, recv_python_, failure_;
+  py::object pending_type_, inflight_;
 
   struct Slot {
     c10::intrusive_ptr<c10d::Work> work;
@@ -485,18 +494,12 @@ class FFNLink : public Link {
     release();
   }
 
-  // The connector's primitives served here (as AttentionLink::bind): the work items' types, its
-  // Timeouts, how it words a failure, what it does after a step's first answer (posts the
-  // receive of the next steps' plans), then its own methods for every call refused here.
-  void bind(py::object item_type, py::object meta_type, py::object timeouts, py::object failure,
-            py::object after_first_send, py::object recv_python, py::object send_python) {
+  // What this half needs besides (bind_connector): the work items' types, and what the
+  // connector does after a step's first answer (posts the receive of the next steps' plans).
+  void bind(py::object item_type, py::object meta_type, py::object after_first_send) {
     item_type_ = std::move(item_type);
     meta_type_ = std::move(meta_type);
-    timeouts_ = std::move(timeouts);
-    failure_ = std::move(failure);
     after_first_send_ = std::move(after_first_send);
-    recv_python_ = std::move(recv_python);
-    send_python_ = std::move(send_python);
   }
 
   // ``recv_layer``: the WorkItem of the (layer, stage) posted next, or the Python method's answer
@@ -519,7 +522,7 @@ class FFNLink : public Link {
                                                     py::none()));
       }
     }
-    return recv_python_(stage_idx, layer_idx, max_num_tokens);
+    return python_[0](stage_idx, layer_idx, max_num_tokens);
   }
 
   // ``send_ffn_output``: the result of the item served, or the Python method for anything else.
@@ -536,7 +539,7 @@ class FFNLink : public Link {
       }
       if (took) return;
     }
-    send_python_(output, item);
+    python_[1](output, item);
   }
 
  private:
@@ -555,8 +558,7 @@ class FFNLink : public Link {
     if (after_first_send_) after_first_send_();
   }
 
-  py::object item_type_, meta_type_, timeouts_, recv_python_, send_python_, failure_,
-      after_first_send_;
+  py::object item_type_, meta_type_, after_first_send_;
   // The step this link serves (``begin``): what its work items carry.
   bool serving_ = false;
   bool frame_due_ = false;
@@ -691,7 +693,9 @@ PYBIND11_MODULE(_one_link, m) {
     }
   });
 
-  py::class_<Link>(m, "Link").def("flush", &Link::flush);
+  py::class_<Link>(m, "Link")
+      .def("flush", &Link::flush)
+      .def("bind_connector", &Link::bind_connector);
 
   py::class_<AttentionLink, Link>(m, "AttentionLink")
       .def(py::init<c10::intrusive_ptr<c10d::Backend>, int, at::ScalarType, int64_t,

@@ -59,8 +59,7 @@ class P2pAttentionConnector(AttentionConnector):
         if self._one_dst is not None:
             link = self._compiled = one_link.attention_link(net.data, self._one_dst, self.shape)
             if link is not None:
-                one_link.serve(self, link, PendingResult, self._inflight, self.timeouts,
-                               self._link_failure)
+                one_link.serve(self, link, self._link_failure, PendingResult, self._inflight)
         return net
 
     def begin_step(self, meta) -> None:

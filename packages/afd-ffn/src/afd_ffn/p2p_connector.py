@@ -122,8 +122,8 @@ class P2pFFNConnector(ScheduledFFNConnector):
         if self._one_src is not None:
             link = self._compiled = one_link.ffn_link(net.data, self._one_src, shape)
             if link is not None:
-                one_link.serve(self, link, WorkItem, WorkItemMeta, self.timeouts,
-                               self._failure_from, self._post_frame)
+                one_link.serve(self, link, self._failure_from, WorkItem, WorkItemMeta,
+                               self._post_frame)
         self._compiled_step = False
         return net
 

@@ -105,12 +105,13 @@ PRIMITIVES = {"attention": ("send_attn_output", "recv_ffn_output"),
               "ffn": ("recv_layer", "send_ffn_output")}
 
 
-def serve(half, link, *context) -> None:
+def serve(half, link, failure, *context) -> None:
     """Have ``link`` answer ``half``'s per-layer primitives (``PRIMITIVES``): they become the
     link's methods, attributes of the instance, which call the class's own for every call the
-    link refuses. ``context`` is what the link needs besides to answer and fail as the class's
-    methods do (``bind`` in csrc/one_link.cpp). The link holds those methods, and so the half,
-    until ``unserve`` and the connector letting go of the link (its close) part them.
+    link refuses. ``failure(LinkError, *where)`` is the half's error for a failure on the wire;
+    ``context`` what its link needs besides (``bind`` in csrc/one_link.cpp). The link holds the
+    half's methods, and so the half, until ``unserve`` and the connector letting go of the link
+    (its close) part them.
 
     A connector's methods in Python, even as thin as the compiled path leaves them (a check, the
     link's call, the answer's tuple), cost each layer's round trip 3-8 us at 1 token on the
@@ -118,7 +119,9 @@ def serve(half, link, *context) -> None:
     every wait. Called straight, the link's methods ran layers 2-16 of a step at 1.00-1.09x raw
     Gloo where the connector's ran at 1.08-1.12x (paired steps, four runs)."""
     names = PRIMITIVES[half.role]
-    link.bind(*context, *(getattr(type(half), name).__get__(half) for name in names))
+    link.bind(*context)
+    link.bind_connector(half.timeouts, failure,
+                        *(getattr(type(half), name).__get__(half) for name in names))
     for name in names:
         setattr(half, name, getattr(link, name))
 
