@@ -83,6 +83,21 @@ def test_the_links_answer_the_primitives_until_the_connector_closes():
             assert name not in vars(half) and getattr(half, name).__self__ is half, name
 
 
+def test_a_links_method_kept_past_close_or_never_bound_refuses_calls():
+    """The link lets go of its connector at close: a method of it kept from before says so, as
+    one of a link no connector bound does (neither crashes)."""
+    a, f = gloo_pair()
+    send, recv = a.send_attn_output, f.recv_layer
+    unbound = type(a._compiled)(a._net.data.group, 1, torch.float32, H, list(LAYERS), 4)
+    with pytest.raises(RuntimeError, match="connector this compiled link served is closed"):
+        unbound.send_attn_output(torch.ones(1, H), LayerCall(1))
+    a.close()
+    f.close()
+    for call in (lambda: send(torch.ones(1, H), LayerCall(1)), lambda: recv(0, 1)):
+        with pytest.raises(RuntimeError, match="connector this compiled link served is closed"):
+            call()
+
+
 def test_the_next_plans_receive_is_posted_with_the_steps_first_answer(pair):
     """Two plans' receives stay posted on the FFN side; the one a step's plan took is posted
     again after the step's first answer, not on the way from the plan to the first rows."""
@@ -394,9 +409,14 @@ def test_a_silent_peer_times_out_naming_the_wait():
         pending = a.send_attn_output(torch.ones(1, H), LayerCall(1, 0))
         start = time.monotonic()
         with pytest.raises(AFDTimeoutError, match=r"no the FFN result of layer 1 stage 0 from FFN "
-                                                  r"rank 0 \(global 1\) within 1.0 s"):
-            a.recv_ffn_output(pending)
+                                                  r"rank 0 \(global 1\) within 1.0 s") as raised:
+            try:
+                raise KeyError("being handled when the wait fails")
+            except KeyError:
+                a.recv_ffn_output(pending)
         assert time.monotonic() - start < 5
+        # Raised as the Python path raises it (from None): no cause, the context suppressed.
+        assert raised.value.__cause__ is None and raised.value.__suppress_context__
     finally:
         a.close()
         f.close()

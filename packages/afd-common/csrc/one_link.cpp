@@ -192,13 +192,19 @@ double current_timeout(const py::object& timeouts) {
 }
 
 // Raise the connector's error for a failure on the wire: ``failure(LinkError(kind, detail),
-// *where)`` words it as the Python path does.
+// *where)`` words it as the Python path does, raised as it raises it (``from None``).
 template <typename... Where>
 [[noreturn]] void raise_failure(const py::object& failure, const LinkError& e, Where&&... where) {
   py::object err = py::handle(link_error_type)(e.kind, e.detail);
   py::object exc = failure(err, std::forward<Where>(where)...);
+  PyException_SetCause(exc.ptr(), nullptr);  // no cause, and the context suppressed
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   throw py::error_already_set();
+}
+
+// The link's connector let go of it (closed) while, or before, one of its methods ran here.
+[[noreturn]] void closed() {
+  throw std::runtime_error("the connector this compiled link served is closed");
 }
 
 // What both halves hold: the group, the peer, the rows' dtype and width, the sends to settle.
@@ -227,10 +233,22 @@ class Link {
   }
 
  protected:
-  // The connector closed: let go of the group and the sends; every call is refused from now on.
+  // What an answering method needs of its connector, taken when it starts: a close on another
+  // thread (while this one waits without the GIL) lets go of the link's own references.
+  struct Bound {
+    py::object timeouts, failure, python;
+  };
+  Bound bound_for(int method) const {
+    if (!python_[method]) closed();
+    return {timeouts_, failure_, python_[method]};
+  }
+
+  // The connector closed: let go of the group, the sends and the connector (it and this link
+  // hold each other while bound, which only this parts); every call is refused from now on.
   void release() {
     pg_.reset();
     sends_.clear();
+    timeouts_ = failure_ = python_[0] = python_[1] = py::object();
   }
 
   c10::intrusive_ptr<c10d::Backend> pg_;
@@ -315,6 +333,7 @@ class AttentionLink : public Link {
     for (auto& slot : slots_) slot = Slot{};
     in_flight_ = 0;
     spare_ = at::Tensor();
+    pending_type_ = inflight_ = py::object();
     release();
   }
 
@@ -331,6 +350,8 @@ class AttentionLink : public Link {
   static py::object send_attn_output(py::object self, py::handle hidden, py::handle call,
                                      py::handle topk_ids, py::handle topk_weights) {
     auto& link = self.cast<AttentionLink&>();
+    Bound bound = link.bound_for(0);
+    py::object pending_type = link.pending_type_;
     int64_t layer, stage;
     if (topk_ids.is_none() && THPVariable_Check(hidden.ptr()) &&
         first_two_ints(call, 2, layer, stage) && PyTuple_GET_SIZE(call.ptr()) == 2 &&
@@ -339,16 +360,17 @@ class AttentionLink : public Link {
       try {
         took = link.send(THPVariable_Unpack(hidden.ptr()), layer, stage);
       } catch (const LinkError& e) {
-        raise_failure(link.failure_, e, call);
+        raise_failure(bound.failure, e, call);
       }
-      if (took) return new_tuple(link.pending_type_, py::make_tuple(call, self));
+      if (took) return new_tuple(pending_type, py::make_tuple(call, self));
     }
-    return link.python_[0](hidden, call, topk_ids, topk_weights);
+    return bound.python(hidden, call, topk_ids, topk_weights);
   }
 
   // ``recv_ffn_output``: the result of a call this link took, or the Python method's answer.
   static py::object recv_ffn_output(py::object self, py::handle pending) {
     auto& link = self.cast<AttentionLink&>();
+    Bound bound = link.bound_for(1);
     PyObject* p = pending.ptr();
     int64_t layer, stage;
     if (PyTuple_Check(p) && PyTuple_GET_SIZE(p) == 2 && PyTuple_GET_ITEM(p, 1) == self.ptr()) {
@@ -356,14 +378,14 @@ class AttentionLink : public Link {
       if (first_two_ints(call, 2, layer, stage)) {
         py::object out;
         try {
-          out = link.recv(layer, stage, current_timeout(link.timeouts_));
+          out = link.recv(layer, stage, current_timeout(bound.timeouts));
         } catch (const LinkError& e) {
-          raise_failure(link.failure_, e, call);
+          raise_failure(bound.failure, e, call);
         }
         if (!out.is_none()) return out;
       }
     }
-    return link.python_[1](pending);
+    return bound.python(pending);
   }
 
  private:
@@ -408,7 +430,7 @@ class FFNLink : public Link {
   // step's work items.
   bool begin(std::vector<int64_t> stage_rows, int64_t step, py::object kind, py::list sources) {
     state_ = State::kIdle;
-    serving_ = false;
+    serving_ = frame_due_ = false;
     if (!pg_ || layers_.empty() || stage_rows.empty() ||
         static_cast<int64_t>(stage_rows.size()) > kMaxStages ||
         static_cast<size_t>(PyList_GET_SIZE(sources.ptr())) != stage_rows.size())
@@ -490,7 +512,9 @@ class FFNLink : public Link {
     work_.reset();
     ahead_.reset();
     state_ = State::kIdle;
-    serving_ = false;
+    serving_ = frame_due_ = false;
+    item_type_ = meta_type_ = after_first_send_ = kind_ = py::object();
+    sources_ = py::list();
     release();
   }
 
@@ -505,28 +529,33 @@ class FFNLink : public Link {
   // ``recv_layer``: the WorkItem of the (layer, stage) posted next, or the Python method's answer
   // (a step this link does not serve, a call out of order, more rows than max_num_tokens).
   py::object recv_layer(py::handle stage_idx, py::handle layer_idx, py::handle max_num_tokens) {
+    Bound bound = bound_for(0);
     int64_t layer, stage;
     if (serving_ && as_int(layer_idx.ptr(), layer) && as_int(stage_idx.ptr(), stage) &&
         within(max_num_tokens, stage)) {
+      // The item's makings, before the wait (see Bound).
+      py::object meta_type = meta_type_, item_type = item_type_, kind = kind_;
+      py::list sources = sources_;
+      int64_t step = step_;
       py::object hidden;
       try {
-        hidden = recv(stage, layer, current_timeout(timeouts_));
+        hidden = recv(stage, layer, current_timeout(bound.timeouts));
       } catch (const LinkError& e) {
-        raise_failure(failure_, e, layer, stage);
+        raise_failure(bound.failure, e, layer, stage);
       }
       if (!hidden.is_none()) {
-        py::object meta = new_tuple(meta_type_, py::make_tuple(
-            layer, stage, step_, py::handle(PyList_GET_ITEM(sources_.ptr(), stage)), false,
-            kind_));
-        return new_tuple(item_type_, py::make_tuple(hidden, meta, py::none(), py::none(),
-                                                    py::none()));
+        py::object meta = new_tuple(meta_type, py::make_tuple(
+            layer, stage, step, py::handle(PyList_GET_ITEM(sources.ptr(), stage)), false, kind));
+        return new_tuple(item_type, py::make_tuple(hidden, meta, py::none(), py::none(),
+                                                   py::none()));
       }
     }
-    return python_[0](stage_idx, layer_idx, max_num_tokens);
+    return bound.python(stage_idx, layer_idx, max_num_tokens);
   }
 
   // ``send_ffn_output``: the result of the item served, or the Python method for anything else.
   void send_ffn_output(py::handle output, py::handle item) {
+    Bound bound = bound_for(1);
     int64_t layer, stage;
     PyObject* it = item.ptr();
     if (serving_ && THPVariable_Check(output.ptr()) && PyTuple_Check(it) &&
@@ -535,11 +564,11 @@ class FFNLink : public Link {
       try {
         took = send(THPVariable_Unpack(output.ptr()), stage, layer);
       } catch (const LinkError& e) {
-        raise_failure(failure_, e, layer, stage);
+        raise_failure(bound.failure, e, layer, stage);
       }
       if (took) return;
     }
-    python_[1](output, item);
+    bound.python(output, item);
   }
 
  private:
