@@ -285,8 +285,9 @@ class AttentionConnector(AFDConnector):
                                  f"{list(meta.stage_tokens)[:8]}), more than max_num_tokens "
                                  f"{self.shape.max_num_tokens} (--max-num-batched-tokens), "
                                  "which both roles size their messages by")
-            control.send_step(meta)  # first: the FFN side's first rows wait for it
-        self._step, self._expect = meta, None
+        self._step, self._expect = meta, None  # before its plan goes: a failure after must not leave the last
+        if control is not None:
+            control.send_step(meta)  # before the rest: the FFN side's first rows wait for it
 
     @abc.abstractmethod
     def send_attn_output(self, hidden_states: torch.Tensor, call: LayerCall,
@@ -342,8 +343,8 @@ class AttentionConnector(AFDConnector):
 
         On the path from one layer's result to the next layer's send, where each line costs
         (its code is cold after every wait: up to 1 us a line, measured), so a call is compared
-        with what ``begin_step`` prepared in one condition; anything else goes through every
-        check one by one, which names what is wrong."""
+        in one condition with what the step's first call prepared (``_expect``); anything else
+        goes through every check one by one, which names what is wrong."""
         layer, stage = call
         expect = self._expect
         if expect is None:

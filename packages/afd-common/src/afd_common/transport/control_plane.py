@@ -36,21 +36,28 @@ class GlooControlPlane(ControlPlane):
         self._turn = 0
         # (slot, peer) -> that frame buffer and its bytes, two slots taken in turn (FFN side)
         self._frames: dict[tuple[int, int], tuple[torch.Tensor, memoryview]] = {}
-        # The attention side's frames, two taken in turn: each is written again two steps after
-        # it was sent, once its send is settled.
-        self._outgoing = [(t, memoryview(t.numpy())) for t in (
-            torch.zeros(STEP_FRAME_BYTES, dtype=torch.uint8) for _ in range(2))
-            ] if role == "attention" else []
+        # The attention side's frames, two taken in turn, each with the sends of what it held
+        # last: written again two steps later, once those are done (settle_older).
+        self._outgoing = [_frame() for _ in range(2)] if role == "attention" else []
         self._send_turn = 0
+        # Frames whose sends a failure left unsettled: kept while Gloo may still read them.
+        self._unsettled: list[tuple] = []
 
     def send_step(self, meta: StepMetadata) -> None:
         # The plan goes out first: the FFN side's first rows wait for it (the step's start is the
         # one stretch of a step where both roles run code at once).
-        frame, buf = self._outgoing[self._send_turn]
-        self._send_turn = 1 - self._send_turn
+        turn = self._send_turn
+        slot = self._outgoing[turn]
+        if not all(work.is_completed() for work in slot[2]):
+            # A failure (a settle timed out) left its sends unsettled: a new frame for the slot.
+            self._unsettled = [f for f in self._unsettled if not all(
+                work.is_completed() for work in f[2])] + [slot]
+            slot = self._outgoing[turn] = _frame()
+        frame, buf, _ = slot
         encode_step_into(meta, buf)
-        for peer in self.peers:
-            self.io.isend(frame, peer, CONTROL_TAG)
+        self._outgoing[turn] = (frame, buf, [self.io.isend(frame, peer, CONTROL_TAG)
+                                             for peer in self.peers])
+        self._send_turn = 1 - turn
         # The step before's frames are long taken (the FFN side answered that step): settled,
         # their slot is free for the next step.
         self.io.settle_older(self._send_timeout_s)
@@ -96,6 +103,12 @@ class GlooControlPlane(ControlPlane):
                         f"attention rank {a} step {meta.step} ({meta.kind.name}, "
                         f"{meta.num_stages} stages)")
         return StepPlan(first.step, per_source)
+
+
+def _frame() -> tuple[torch.Tensor, memoryview, list]:
+    """A frame to send from: the tensor, its bytes to write, the sends of what it held (none)."""
+    t = torch.zeros(STEP_FRAME_BYTES, dtype=torch.uint8)
+    return t, memoryview(t.numpy()), []
 
 
 def link_peers(topology: Topology, role: str, local_rank: int,

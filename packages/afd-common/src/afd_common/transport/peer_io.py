@@ -74,12 +74,14 @@ class PeerIO:
         self.group = InOrderGroup(group) if self.in_order else group
         self.closing = False
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
+        """Post a send; its work (kept here until known done, see the class docstring)."""
         try:
             work = self.group.send([tensor], dst, tag)
         except RuntimeError as e:
             raise self.failure("send", dst, None, None, str(e)) from None
         self._keep(dst, work, tensor)
+        return work
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, what: str | tuple) -> PendingRecv:
         """Post a receive now (so the transport can land data early); wait for it later."""
