@@ -110,8 +110,8 @@ def serve(half, link, failure, *context) -> None:
     link's methods, attributes of the instance, which call the class's own for every call the
     link refuses. ``failure(LinkError, *where)`` is the half's error for a failure on the wire;
     ``context`` what its link needs besides (``bind`` in csrc/one_link.cpp). The link holds the
-    half's methods, and so the half, until ``unserve`` and the connector letting go of the link
-    (its close) part them.
+    half's methods, and so the half, until the half's close drops it (``drop`` lets go of them:
+    the garbage collector cannot see that cycle); ``unserve`` there undoes the attributes.
 
     A connector's methods in Python, even as thin as the compiled path leaves them (a check, the
     link's call, the answer's tuple), cost each layer's round trip 3-8 us at 1 token on the
