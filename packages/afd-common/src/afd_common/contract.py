@@ -285,7 +285,8 @@ class AttentionConnector(AFDConnector):
                                  f"{list(meta.stage_tokens)[:8]}), more than max_num_tokens "
                                  f"{self.shape.max_num_tokens} (--max-num-batched-tokens), "
                                  "which both roles size their messages by")
-        self._step, self._expect = meta, None  # before its plan goes: a failure after must not leave the last
+        # This step's before its plan goes: a failure after that must not leave the last one's.
+        self._step, self._expect = meta, None
         if control is not None:
             control.send_step(meta)  # before the rest: the FFN side's first rows wait for it
 
@@ -484,14 +485,12 @@ class ScheduledFFNConnector(AFDConnector):
                     f"max_num_tokens {self.shape.max_num_tokens}")
         self._plan = plan
         # (attention rank, rows) per stage, in batch order: the same for every layer of the step.
-        links = self._links
-        if len(links) == 1 and links[0].num_chunks == 1:  # every row of one attention rank
-            a = links[0].attention_rank
-            self._sources = [((a, n),) for n in plan.per_source[a].stage_tokens]
-            return
-        self._sources = [tuple((link.attention_rank, self.topology.chunk_rows(
-            link, plan.per_source[link.attention_rank].stage_tokens[stage]))
-            for link in links) for stage in range(plan.num_stages)]
+        # Made link by link and turned per stage (every source announced as many stages).
+        chunk_rows = self.topology.chunk_rows
+        self._sources = list(zip(*[
+            [(link.attention_rank, chunk_rows(link, n))
+             for n in plan.per_source[link.attention_rank].stage_tokens]
+            for link in self._links]))
 
     def _stage_sources(self, stage_idx: int, max_num_tokens: int | None,
                        layer_idx: int) -> tuple[tuple[int, int], ...]:

@@ -38,22 +38,22 @@ class GlooControlPlane(ControlPlane):
         self._frames: dict[tuple[int, int], tuple[torch.Tensor, memoryview]] = {}
         # The attention side's frames, two taken in turn, each with the sends of what it held
         # last: written again two steps later, once those are done (settle_older).
-        self._outgoing = [_frame() for _ in range(2)] if role == "attention" else []
+        self._outgoing = [(*_buffer(), []) for _ in range(2)] if role == "attention" else []
         self._send_turn = 0
-        # Frames whose sends a failure left unsettled: kept while Gloo may still read them.
+        # Frames whose sends a failure left unsettled, with those sends: Gloo may still read
+        # them (a role closes after such a failure, so they are few).
         self._unsettled: list[tuple] = []
 
     def send_step(self, meta: StepMetadata) -> None:
         # The plan goes out first: the FFN side's first rows wait for it (the step's start is the
         # one stretch of a step where both roles run code at once).
         turn = self._send_turn
-        slot = self._outgoing[turn]
-        if not all(work.is_completed() for work in slot[2]):
+        frame, buf, sent = self._outgoing[turn]
+        if not all(work.is_completed() for work in sent):
             # A failure (a settle timed out) left its sends unsettled: a new frame for the slot.
-            self._unsettled = [f for f in self._unsettled if not all(
-                work.is_completed() for work in f[2])] + [slot]
-            slot = self._outgoing[turn] = _frame()
-        frame, buf, _ = slot
+            self._unsettled.append((frame, sent))
+            frame, buf = _buffer()
+            self._outgoing[turn] = frame, buf, []
         encode_step_into(meta, buf)
         self._outgoing[turn] = (frame, buf, [self.io.isend(frame, peer, CONTROL_TAG)
                                              for peer in self.peers])
@@ -69,8 +69,7 @@ class GlooControlPlane(ControlPlane):
         frames = self._frames
         for p in self.peers:
             if (slot, p) not in frames:
-                buf = torch.empty(STEP_FRAME_BYTES, dtype=torch.uint8)
-                frames[slot, p] = buf, memoryview(buf.numpy())
+                frames[slot, p] = _buffer()
         self._posted.append((slot, {
             p: self.io.irecv(frames[slot, p][0], p, CONTROL_TAG, "the next step's metadata")
             for p in self.peers}))
@@ -91,7 +90,8 @@ class GlooControlPlane(ControlPlane):
             try:  # straight from the buffer: decoding copies every value out
                 per_source[self.peers[peer]] = first = decode_step(self._frames[slot, peer][1])
             except AFDProtocolError as e:
-                raise AFDPeerError(f"malformed step metadata from global rank {peer}: {e}") from None
+                raise AFDPeerError(
+                    f"malformed step metadata from global rank {peer}: {e}") from None
         if len(per_source) > 1:
             (a0, first), *rest = per_source.items()
             for a, meta in rest:
@@ -105,10 +105,10 @@ class GlooControlPlane(ControlPlane):
         return StepPlan(first.step, per_source)
 
 
-def _frame() -> tuple[torch.Tensor, memoryview, list]:
-    """A frame to send from: the tensor, its bytes to write, the sends of what it held (none)."""
+def _buffer() -> tuple[torch.Tensor, memoryview]:
+    """A frame's buffer, to send from or receive into, and its bytes."""
     t = torch.zeros(STEP_FRAME_BYTES, dtype=torch.uint8)
-    return t, memoryview(t.numpy()), []
+    return t, memoryview(t.numpy())
 
 
 def link_peers(topology: Topology, role: str, local_rank: int,
