@@ -21,7 +21,7 @@ from afd_attention.session import AttentionSession
 from afd_common.vllm_glue import lifecycle, role_status
 from afd_common.config import parse_afd_config
 from afd_common.contract import PendingResult
-from afd_common.errors import AFDPeerError, AFDTimeoutError
+from afd_common.errors import AFDPeerError, AFDRendezvousClosingError, AFDTimeoutError
 from afd_common.metadata import ModelShape
 from afd_common.placement import placement_for
 from afd_common.vllm_glue.server_root import SERVER_PID_ENV
@@ -38,6 +38,7 @@ class FFNRole:
         self.up = threading.Event()
         self.die_at: tuple[int, int] | None = None  # (world, layer): the receive fails there
         self.restart_s: float | None = None  # then it is back after this long
+        self.closing = 0  # connects that find the lost world's rendezvous still closing
         self.worlds: list[World] = []
 
     def die(self) -> None:
@@ -62,6 +63,9 @@ class World:
             raise AFDTimeoutError(f"no FFN role within {limit:.1f} s")
         if self.closed:
             raise AFDPeerError("closed while connecting")
+        if self.ffn.closing:
+            self.ffn.closing -= 1
+            raise AFDRendezvousClosingError("the rendezvous is still the last world's")
         self.index = len(self.ffn.worlds)
         self.ffn.worlds.append(self)
 
@@ -192,6 +196,19 @@ def test_a_loss_while_idle_is_ridden_through_before_the_next_step(failures):
     old.on_lost("late notice from the closed world")  # ignored: that world is left behind
     assert s.run_forward(lambda: layers(s, x)) is not None
     assert failures == [] and len(ffn.worlds) == 2
+
+
+def test_the_lost_world_s_rendezvous_still_closing_is_tried_again(failures):
+    """A SIGTERMed FFN role's store outlives it by a moment: reaching it is no reason to end."""
+    ffn = FFNRole()
+    ffn.up.set()
+    s = start(ffn)
+    x = torch.ones(2, 4)
+    s.run_forward(lambda: layers(s, x))
+    ffn.closing = 2
+    ffn.worlds[0].on_lost("peer closed the connection")
+    assert torch.equal(s.run_forward(lambda: layers(s, x)), expected(x))
+    assert ffn.closing == 0 and len(ffn.worlds) == 2 and failures == []
 
 
 def test_no_ffn_role_within_reconnect_timeout_fails_the_step_and_the_role(failures):

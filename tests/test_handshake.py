@@ -382,3 +382,30 @@ def test_a_count_of_finished_forwards_is_checked_not_trusted(steps_done, says):
     assert "AFDHandshakeError" in out["attention", 0] and says in out["attention", 0], out
     # The FFN rank checks the counts itself: it refuses whichever order the hellos arrive in.
     assert "AFDHandshakeError" in out["ffn", 0] and says in out["ffn", 0], out
+
+
+def test_a_rank_that_finds_its_own_claim_is_told_the_last_world_is_closing():
+    """A SIGTERMed FFN role's rendezvous can outlive it by a moment; an attention rank riding
+    through the loss may reach it first and find its own claim of the world it left. That is
+    worth another try (AFDRendezvousClosingError, which the ride-through retries), unlike a
+    claim another process holds: two processes given one rank, a handshake error."""
+    from afd_common.errors import AFDHandshakeError, AFDPeerError, AFDRendezvousClosingError
+    from afd_common.topology import Topology
+    from afd_common.transport.process_groups import Rendezvous
+    from afd_common.transport.world import AFDWorld
+
+    spec = Spec(2, 1, timeout_s=1, port=free_port())
+    topo = Topology(2, 1)
+    old = Rendezvous("127.0.0.1", spec.port, True, 5, "the last world's FFN rank 0")
+
+    def form(rank: int) -> None:
+        AFDWorld(spec.config("attention"), rank, topo.world_size, topo.global_rank, {}, 1)
+
+    with pytest.raises(AFDPeerError) as first:  # claimed, then no peer said hello
+        form(0)
+    assert not isinstance(first.value, AFDRendezvousClosingError)
+    with pytest.raises(AFDRendezvousClosingError, match="still the last world's"):
+        form(0)
+    old.store.set(f"afd/claim/{topo.global_rank('attention', 1)}", b"1@another")
+    with pytest.raises(AFDHandshakeError, match="already taken by another process"):
+        form(1)

@@ -33,5 +33,11 @@ class AFDPeerError(AFDError):
     """A peer rank stopped answering: it died, closed the connection, or sent something unexpected."""
 
 
+class AFDRendezvousClosingError(AFDPeerError):
+    """The rendezvous found belongs to a world this process already left and is still closing:
+    its store outlived the peer that hosts it by a moment (a rolling restart). Trying again
+    finds the next one."""
+
+
 class AFDTimeoutError(AFDPeerError, TimeoutError):
     """A bounded wait on a peer ran out."""

@@ -20,7 +20,7 @@ import time
 
 from afd_common.config import AFDConfig
 from afd_common.contract import ScheduledFFNConnector
-from afd_common.errors import AFDError, AFDTimeoutError
+from afd_common.errors import AFDError, AFDRendezvousClosingError, AFDTimeoutError
 from afd_common.vllm_glue import lifecycle, role_status
 from afd_common.metadata import ModelShape
 from afd_common.vllm_glue.model_thread import enter_model_thread
@@ -37,9 +37,9 @@ NEXT_WORLD_PAUSE_S = 2.0
 # How often a serving rank refreshes what ``/health`` reads (its step count and last step); state
 # changes are published at once.
 PUBLISH_EVERY_S = 1.0
-# What forming a world says while rank 0's last rendezvous is still closing.
-_OLD_WORLD_CLOSING = ("is already taken by another process", "Address already in use",
-                      "lost the rendezvous")
+# What forming a world says while rank 0's last rendezvous is still closing, besides
+# AFDRendezvousClosingError (found it still up): rank 0 cannot re-bind yet, or it went mid-way.
+_OLD_WORLD_CLOSING = ("Address already in use", "lost the rendezvous")
 
 
 class FFNService:
@@ -140,7 +140,8 @@ class FFNService:
             if (isinstance(e, AFDTimeoutError) and self.state == "waiting"
                     and c.extra.connect_timeout_s is not None):
                 raise  # the bound the user asked for: no attention role turned up
-            if self.state == "waiting" and any(w in str(e) for w in _OLD_WORLD_CLOSING):
+            if self.state == "waiting" and (isinstance(e, AFDRendezvousClosingError) or any(
+                    w in str(e) for w in _OLD_WORLD_CLOSING)):
                 # Rank 0's last rendezvous is still up for a moment (its receives end as the
                 # peers' connections close): this rank found it, or rank 0 cannot re-bind yet.
                 logger.info("AFD FFN rank %d: the last attention world's rendezvous is still "

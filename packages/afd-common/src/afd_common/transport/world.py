@@ -41,13 +41,17 @@ from afd_common import __version__
 from afd_common.transport.codec import WIRE_VERSION, decode_json, encode_json
 from afd_common.config import AFDConfig
 from afd_common.errors import (AFDError, AFDHandshakeError, AFDPeerError, AFDProtocolError,
-                               AFDTimeoutError)
+                               AFDRendezvousClosingError, AFDTimeoutError)
 from afd_common.transport.process_groups import (CONNECT_PROGRESS_EVERY_S, Rendezvous,
                                                  SignedStore, new_group)
 
 logger = logging.getLogger("vllm.afd")
 
 REFUSAL_KEY = "afd/refusal"
+# Every claim this process made. Finding one of them on a rendezvous means the store is a world
+# this process was part of, still up for a moment after its host went (a SIGTERMed FFN role
+# shutting down): not another process with the same rank.
+_CLAIMS_MADE: set[bytes] = set()
 # The longest the FFN rank 0 waits for the peers to acknowledge a refusal before it closes the
 # store: a peer that never comes, or never looks again, must not hold it.
 REFUSAL_LINGER_S = 5.0
@@ -110,8 +114,13 @@ class AFDWorld:
     def _claim_rank(self) -> None:
         store = self.rendezvous.store
         me = f"{os.getpid()}@{secrets.token_hex(4)}".encode()
-        got = store.compare_set(f"afd/claim/{self.rank}", b"", me)
-        if bytes(got) != me:
+        _CLAIMS_MADE.add(me)
+        got = bytes(store.compare_set(f"afd/claim/{self.rank}", b"", me))
+        if got in _CLAIMS_MADE and got != me:
+            raise AFDRendezvousClosingError(
+                f"{self.what}: the rendezvous at {self.config.host}:{self.config.port} is still "
+                "the last world's, which this process left; it is closing")
+        if got != me:
             raise AFDHandshakeError(f"{self.what}: {self.describe(self.rank)} is already taken by "
                                     f"another process at {self.config.host}:{self.config.port}; "
                                     "check each process's rank and num_*_ranks")
