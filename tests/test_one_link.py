@@ -98,6 +98,67 @@ def test_a_links_method_kept_past_close_or_never_bound_refuses_calls():
             call()
 
 
+def test_the_link_sends_the_plans_frames_as_the_codec_writes_them(pair, monkeypatch):
+    """The attention link encodes a step's plan itself (a copy of the codec's layout): the FFN
+    side gets the codec's bytes, zeros after them, for plans of one to 64 stages, large steps
+    and counts, and stages without rows; the link, not the class, begins those steps."""
+    from afd_common.metadata import MAX_STAGES
+    from afd_common.transport import codec, control_plane
+
+    a, f = pair
+    frames = []
+    decode = control_plane.decode_step
+    monkeypatch.setattr(control_plane, "decode_step",
+                        lambda data: frames.append(bytes(data)) or decode(data))
+    plans = [StepMetadata(0, StepKind.RUN, (1,)),
+             StepMetadata(2**40 + 3, StepKind.RUN, (0, 5, 3)),
+             StepMetadata(7, StepKind.RUN, tuple(i % 3 for i in range(MAX_STAGES))),
+             StepMetadata(8, StepKind.RUN, (a.shape.max_num_tokens,))]
+    began = []  # plans the control plane's Python would have sent: none
+    monkeypatch.setattr(a._net.control, "send_step", began.append)
+    t, errors, _ = serve(f, len(plans))
+    for meta in plans:
+        a.begin_step(meta)
+        for layer in LAYERS:
+            sent = [a.send_attn_output(torch.ones(n, H), LayerCall(layer, s))
+                    for s, n in enumerate(meta.stage_tokens)]
+            for p in sent:
+                a.recv_ffn_output(p)
+        a.end_step()
+    t.join(30)
+    assert not errors and not began
+    assert frames == [codec.encode_step(m).ljust(codec.STEP_FRAME_BYTES, b"\0") for m in plans]
+
+
+def test_a_plan_the_link_does_not_take_is_the_class_s_to_send_or_refuse(pair):
+    """Above max_num_tokens, or with a call in flight, the class's begin_step names what is
+    wrong and sends nothing; a plan of another type it sends itself."""
+    import dataclasses
+
+    a, f = pair
+    limit = a.shape.max_num_tokens
+    with pytest.raises(ValueError, match=rf"{limit + 1} tokens .* max_num_tokens {limit}"):
+        a.begin_step(StepMetadata(0, StepKind.RUN, (limit, 1)))
+
+    @dataclasses.dataclass(frozen=True)
+    class Plan(StepMetadata):
+        pass
+
+    t, errors, _ = serve(f, 2)
+    for step, meta in enumerate([Plan(0, StepKind.RUN, (1,)), StepMetadata(1, StepKind.RUN, (1,))]):
+        a.begin_step(meta)
+        pending = a.send_attn_output(torch.ones(1, H), LayerCall(LAYERS[0]))
+        if step == 1:
+            with pytest.raises(RuntimeError, match="still unreceived"):
+                a.begin_step(StepMetadata(2, StepKind.RUN, (1,)))
+        a.recv_ffn_output(pending)
+        for layer in LAYERS[1:]:
+            a.recv_ffn_output(a.send_attn_output(torch.ones(1, H), LayerCall(layer)))
+        a.end_step()
+    t.join(30)
+    assert not errors and a._step.step == 1
+
+
 def test_the_next_plans_receive_is_posted_with_the_steps_first_answer(pair):
     """Two plans' receives stay posted on the FFN side; the one a step's plan took is posted
     again after the step's first answer, not on the way from the plan to the first rows."""

@@ -20,6 +20,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -47,6 +48,11 @@ PyObject* link_error_type = nullptr;
 // "current_s", interned once and never freed: the attribute of the connector's Timeouts read on
 // every wait (the bound is the first step's until one ends, then the step timeout's).
 PyObject* current_s_name = nullptr;
+
+// The attributes begin_step reads of a StepMetadata and sets on its half, interned once.
+struct Names {
+  PyObject *half_step, *half_expect, *step, *kind, *stage_tokens;
+} names{};
 
 std::string message(const std::exception& e) {
   const auto* c10e = dynamic_cast<const c10::Error*>(&e);
@@ -89,6 +95,18 @@ class Sends {
       std::lock_guard<std::mutex> lock(mutex_);
       proved_ = 0;
       n = sends_.size();
+    }
+    settle(n, timeout_s);
+  }
+  // A step's start: every send but the one just posted (the previous steps', which the peer
+  // took long ago if it answered them) waited on, as PeerIO.settle_older does. Called without
+  // the GIL.
+  void settle_all_but_last(double timeout_s) {
+    size_t n;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      n = sends_.empty() ? 0 : sends_.size() - 1;
+      proved_ = proved_ > n ? proved_ - n : 0;
     }
     settle(n, timeout_s);
   }
@@ -224,12 +242,11 @@ class Link {
   // Timeouts, how it words a failure on the wire, and its own methods for those primitives (in
   // one_link.PRIMITIVES order), which take every call refused here. Each half binds the rest
   // it needs with ``bind``.
-  void bind_connector(py::object timeouts, py::object failure, py::object first_python,
-                      py::object second_python) {
+  void bind_connector(py::object timeouts, py::object failure, py::args python) {
     timeouts_ = std::move(timeouts);
     failure_ = std::move(failure);
-    python_[0] = std::move(first_python);
-    python_[1] = std::move(second_python);
+    python_.clear();
+    for (auto method : python) python_.push_back(py::reinterpret_borrow<py::object>(method));
   }
 
  protected:
@@ -238,8 +255,8 @@ class Link {
   struct Bound {
     py::object timeouts, failure, python;
   };
-  Bound bound_for(int method) const {
-    if (!python_[method]) closed();
+  Bound bound_for(size_t method) const {
+    if (method >= python_.size()) closed();
     return {timeouts_, failure_, python_[method]};
   }
 
@@ -248,7 +265,8 @@ class Link {
   void release() {
     pg_.reset();
     sends_.clear();
-    timeouts_ = failure_ = python_[0] = python_[1] = py::object();
+    timeouts_ = failure_ = py::object();
+    python_.clear();
   }
 
   c10::intrusive_ptr<c10d::Backend> pg_;
@@ -257,7 +275,7 @@ class Link {
   int64_t hidden_;
   Sends sends_;
   py::object timeouts_, failure_;
-  py::object python_[2];  // the connector's own methods (bind_connector)
+  std::vector<py::object> python_;  // the connector's own methods (bind_connector)
 };
 
 // The attention half: every row of the rank to one FFN rank, which computes the routing.
@@ -283,8 +301,20 @@ class AttentionLink : public Link {
     at::Tensor out = spare_.defined() && spare_.sizes() == h.sizes() ? spare_ : at::empty_like(h);
     spare_ = at::Tensor();
     int tag = static_cast<int>(layer * kMaxStages + stage);
-    sends_.keep(post(pg_, true, h, peer_, tag), h);
-    slot.work = post(pg_, false, out, peer_, tag);
+    if (rows_sent_ == 0) {
+      // The step's first rows: their answer's receive first. The peer has just woken for the
+      // plan and takes a core, and a thread descheduled between the send and this post let the
+      // answer find no receive, which Gloo holds back for a notification round trip (paired
+      // steps, 1 token: the first layer 17-37 us shorter, the step 20-39 us; at 16 tokens no
+      // worse). Later layers send first: there, the same order made a step slower at 16
+      // tokens. Gloo matches by tag, so the receive may come first (a transport matching in
+      // posting order could not take it: this link runs on Gloo only).
+      slot.work = post(pg_, false, out, peer_, tag);
+      sends_.keep(post(pg_, true, h, peer_, tag), h);
+    } else {
+      sends_.keep(post(pg_, true, h, peer_, tag), h);
+      slot.work = post(pg_, false, out, peer_, tag);
+    }
     slot.out = std::move(out);
     ++in_flight_;
     rows_sent_ += h.size(0);
@@ -333,15 +363,66 @@ class AttentionLink : public Link {
     for (auto& slot : slots_) slot = Slot{};
     in_flight_ = 0;
     spare_ = at::Tensor();
-    pending_type_ = inflight_ = py::object();
+    pending_type_ = inflight_ = step_type_ = plan_failure_ = py::object();
+    for (auto& f : frames_) f = Frame{};
     release();
   }
 
   // What this half needs besides (bind_connector): PendingResult, and the connector's calls in
-  // flight on its Python path.
-  void bind(py::object pending_type, py::object inflight) {
+  // flight on its Python path; for ``begin_step``, the contract's StepMetadata type, the most
+  // tokens a step may bring (max_num_tokens), the control plane's tag where its frames go on
+  // this link's group (else -1: the Python method sends every plan), how the half words a
+  // failed send of a plan, and the STEP frame's constants (codec: magic, version, frame kind,
+  // frame size).
+  void bind(py::object pending_type, py::object inflight, py::object step_type,
+            int64_t max_tokens, int control_tag, py::object plan_failure, std::string magic,
+            int version, int frame_kind, int64_t frame_bytes) {
     pending_type_ = std::move(pending_type);
     inflight_ = std::move(inflight);
+    step_type_ = std::move(step_type);
+    plan_failure_ = std::move(plan_failure);
+    max_tokens_ = max_tokens;
+    control_tag_ = control_tag;
+    TORCH_CHECK(magic.size() == 2 && frame_bytes == kFrameHead + 8 * kMaxStages,
+                "a STEP frame of ", frame_bytes, " bytes: this module lays out ",
+                kFrameHead + 8 * kMaxStages);
+    magic_ = magic;
+    version_ = version;
+    frame_kind_ = frame_kind;
+    for (auto& f : frames_) f = Frame{at::zeros({frame_bytes}, at::kByte), nullptr};
+  }
+
+  // ``begin_step``: the step's plan encoded into one of two frames and sent, before anything
+  // else (the peer's first rows wait for it), then the older sends settled, as the control
+  // plane does (afd_common.transport.control_plane); or the Python method, which names what is
+  // wrong, for anything else (a call still in flight, a plan above max_num_tokens, a plan the
+  // control plane sends on another group).
+  static py::object begin_step(py::object self, py::handle meta) {
+    auto& link = self.cast<AttentionLink&>();
+    Bound bound = link.bound_for(2);
+    int64_t step, kind, tokens[kMaxStages];
+    Py_ssize_t n = 0;
+    if (link.control_tag_ >= 0 && link.pg_ && link.in_flight_ == 0 &&
+        PyMethod_Check(bound.python.ptr()) &&
+        PySet_GET_SIZE(link.inflight_.ptr()) == 0 &&
+        Py_TYPE(meta.ptr()) == reinterpret_cast<PyTypeObject*>(link.step_type_.ptr()) &&
+        link.read_plan(meta, step, kind, tokens, n)) {
+      PyObject* half = PyMethod_GET_SELF(bound.python.ptr());
+      // The step's before its plan goes: a failure after that must not leave the last one's.
+      if (PyObject_SetAttr(half, names.half_step, meta.ptr()) < 0 ||
+          PyObject_SetAttr(half, names.half_expect, Py_None) < 0)
+        throw py::error_already_set();
+      double timeout_s = current_timeout(bound.timeouts);
+      py::object failure = link.plan_failure_;
+      try {
+        link.send_plan(step, kind, tokens, n, timeout_s);
+      } catch (const LinkError& e) {
+        raise_failure(failure, e);
+      }
+      link.rows_.assign(tokens, tokens + n);
+      return py::none();
+    }
+    return bound.python(meta);
   }
 
   // ``send_attn_output``: a PendingResult whose state is this link, or the Python method's
@@ -397,7 +478,80 @@ class AttentionLink : public Link {
     return in != 0;
   }
 
-  py::object pending_type_, inflight_;
+  // A plan's step, kind and stage tokens, read from a StepMetadata: false unless each is an int
+  // the wire can carry and the tokens are 1 to kMaxStages counts within max_num_tokens in all.
+  bool read_plan(py::handle meta, int64_t& step, int64_t& kind, int64_t* tokens,
+                 Py_ssize_t& n) const {
+    py::object s = py::reinterpret_steal<py::object>(PyObject_GetAttr(meta.ptr(), names.step));
+    py::object k = py::reinterpret_steal<py::object>(PyObject_GetAttr(meta.ptr(), names.kind));
+    py::object t = py::reinterpret_steal<py::object>(
+        PyObject_GetAttr(meta.ptr(), names.stage_tokens));
+    if (!s || !k || !t) {
+      PyErr_Clear();
+      return false;
+    }
+    int over = 0;
+    if (!as_int(s.ptr(), step) || step < 0 || !PyLong_Check(k.ptr())) return false;
+    kind = PyLong_AsLongLongAndOverflow(k.ptr(), &over);
+    if (over || kind < 0 || kind > 255 || !PyTuple_CheckExact(t.ptr())) return false;
+    n = PyTuple_GET_SIZE(t.ptr());
+    if (n < 1 || n > kMaxStages) return false;
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!as_int(PyTuple_GET_ITEM(t.ptr(), i), tokens[i]) || tokens[i] < 0 ||
+          tokens[i] > max_tokens_)
+        return false;
+      total += tokens[i];
+    }
+    return total <= max_tokens_;
+  }
+
+  // The STEP frame of afd_common.transport.codec (encode_step_into), little endian: header
+  // (magic, version, frame kind, payload length), then step (q), step kind (B), stages (H), the
+  // stage tokens (q each), zeros to the frame's end. tests/test_one_link.py holds it to the
+  // codec's bytes.
+  static constexpr int64_t kFrameHead = 8 + 8 + 1 + 2;
+  void send_plan(int64_t step, int64_t kind, const int64_t* tokens, Py_ssize_t n,
+                 double timeout_s) {
+    Frame& f = frames_[frame_turn_];
+    if (f.sent && !f.sent->isCompleted()) {
+      // A failure left its send unsettled (the peer may still read it): a new frame; the old
+      // one stays with its send in sends_ until that settles or the link closes.
+      f.bytes = at::zeros_like(f.bytes);
+    }
+    uint8_t* b = f.bytes.data_ptr<uint8_t>();
+    auto put = [&b](int64_t at, uint64_t v, int size) {
+      for (int i = 0; i < size; ++i) b[at + i] = static_cast<uint8_t>(v >> (8 * i));
+    };
+    b[0] = static_cast<uint8_t>(magic_[0]);
+    b[1] = static_cast<uint8_t>(magic_[1]);
+    b[2] = static_cast<uint8_t>(version_);
+    b[3] = static_cast<uint8_t>(frame_kind_);
+    put(4, static_cast<uint64_t>(11 + 8 * n), 4);
+    put(8, static_cast<uint64_t>(step), 8);
+    b[16] = static_cast<uint8_t>(kind);
+    put(17, static_cast<uint64_t>(n), 2);
+    for (Py_ssize_t i = 0; i < n; ++i) put(kFrameHead + 8 * i, static_cast<uint64_t>(tokens[i]), 8);
+    int64_t end = kFrameHead + 8 * n;
+    std::memset(b + end, 0, static_cast<size_t>(f.bytes.numel() - end));
+    f.sent = post(pg_, true, f.bytes, peer_, control_tag_);
+    sends_.keep(f.sent, f.bytes);
+    frame_turn_ ^= 1;
+    py::gil_scoped_release nogil;
+    sends_.settle_all_but_last(timeout_s);
+  }
+
+  py::object pending_type_, inflight_, step_type_, plan_failure_;
+  int64_t max_tokens_ = 0;
+  int control_tag_ = -1;
+  std::string magic_;
+  int version_ = 0, frame_kind_ = 0;
+  struct Frame {
+    at::Tensor bytes;
+    c10::intrusive_ptr<c10d::Work> sent;
+  };
+  Frame frames_[2];
+  int frame_turn_ = 0;
 
   struct Slot {
     c10::intrusive_ptr<c10d::Work> work;
@@ -711,7 +865,12 @@ PYBIND11_MODULE(_one_link, m) {
   m.attr("LinkError") = py::handle(link_error_type);
   if (current_s_name == nullptr) {
     current_s_name = PyUnicode_InternFromString("current_s");
-    if (current_s_name == nullptr) throw py::error_already_set();
+    names = {PyUnicode_InternFromString("_step"), PyUnicode_InternFromString("_expect"),
+             PyUnicode_InternFromString("step"), PyUnicode_InternFromString("kind"),
+             PyUnicode_InternFromString("stage_tokens")};
+    if (current_s_name == nullptr || !names.half_step || !names.half_expect || !names.step ||
+        !names.kind || !names.stage_tokens)
+      throw py::error_already_set();
   }
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
@@ -743,7 +902,8 @@ PYBIND11_MODULE(_one_link, m) {
       .def("send_attn_output", &AttentionLink::send_attn_output, py::arg("hidden_states"),
            py::arg("call"), py::arg("topk_ids") = py::none(),
            py::arg("topk_weights") = py::none())
-      .def("recv_ffn_output", &AttentionLink::recv_ffn_output, py::arg("pending"));
+      .def("recv_ffn_output", &AttentionLink::recv_ffn_output, py::arg("pending"))
+      .def("begin_step", &AttentionLink::begin_step, py::arg("meta"));
 
   py::class_<FFNLink, Link>(m, "FFNLink")
       .def(py::init<c10::intrusive_ptr<c10d::Backend>, int, at::ScalarType, int64_t,

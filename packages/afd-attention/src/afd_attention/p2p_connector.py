@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 
 from afd_common import metrics
-from afd_common.metadata import LayerCall, new_tuple
+from afd_common.metadata import LayerCall, StepMetadata, new_tuple
+from afd_common.transport import codec
+from afd_common.transport.control_plane import CONTROL_TAG
 from afd_common.transport import one_link
 from afd_common.transport.one_link import LinkError
 from afd_common.transport.p2p import (PROTOCOL, DataTags, count_tag, data_tag, open_p2p_world,
@@ -59,7 +61,11 @@ class P2pAttentionConnector(AttentionConnector):
         if self._one_dst is not None:
             link = self._compiled = one_link.attention_link(net.data, self._one_dst, self.shape)
             if link is not None:
-                one_link.serve(self, link, self._link_failure, PendingResult, self._inflight)
+                # The plans too, where the control plane's frames share the rows' group.
+                shared = net.control.io is net.data
+                one_link.serve(self, link, self._link_failure, PendingResult, self._inflight,
+                               StepMetadata, self.shape.max_num_tokens,
+                               CONTROL_TAG if shared else -1, self._plan_failure, *codec.STEP_FRAME)
         return net
 
     def begin_step(self, meta) -> None:
@@ -180,6 +186,11 @@ class P2pAttentionConnector(AttentionConnector):
         for p in pending:
             net.data.wait(p, timeout)
         return out
+
+    def _plan_failure(self, e: LinkError) -> Exception:
+        """A plan's send or the settling of the sends before it failed (the compiled link's
+        ``begin_step``): worded as the control plane's PeerIO words it."""
+        return one_link.failure(self._net.data, e, self._one_dst, None, self.timeouts.current_s)
 
     def _link_failure(self, e: LinkError, call: LayerCall) -> Exception:
         return one_link.failure(self._net.data, e, self._one_dst,

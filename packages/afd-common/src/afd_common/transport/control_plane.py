@@ -1,7 +1,9 @@
 """The Gloo control plane of the sync connectors (P2P, CAMP2p): one STEP frame per step per link.
 
 It always runs on a small Gloo group, also when the data moves over NCCL or HCCL, so step
-metadata never waits behind device streams.
+metadata never waits behind device streams. Where an attention rank's compiled link serves it
+(afd_common.transport.one_link), that link sends the rank's plans itself, the same frames on the
+same tag; this class still receives them on the FFN side and sends the STOP step.
 """
 
 from __future__ import annotations
