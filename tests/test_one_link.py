@@ -14,6 +14,8 @@ from afd_common.errors import AFDPeerError, AFDTimeoutError
 from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
 from afd_common.transport import one_link
 from connector_pair import open_pair
+from hypothesis import given, settings
+from test_malicious_peer import frames
 
 H = 8
 LAYERS = (1, 2, 3)  # three: a stage's ring reuses layer 1's buffer for layer 3
@@ -98,36 +100,99 @@ def test_a_links_method_kept_past_close_or_never_bound_refuses_calls():
             call()
 
 
-def test_the_link_sends_the_plans_frames_as_the_codec_writes_them(pair, monkeypatch):
-    """The attention link encodes a step's plan itself (a copy of the codec's layout): the FFN
-    side gets the codec's bytes, zeros after them, for plans of one to 64 stages, large steps
-    and counts, and stages without rows; the link, not the class, begins those steps."""
+@pytest.mark.parametrize("compiled", ["attention", "ffn"])
+def test_the_links_write_and_read_plans_as_the_codec_does(compiled, monkeypatch):
+    """Each half's link handles a step's plan itself (a copy of the codec's STEP layout): the
+    attention link writes the codec's bytes, zeros after them, and the FFN link reads the
+    codec's frames as the codec does, for plans of one to 64 stages, large steps and counts,
+    and stages without rows. The other half runs its Python path, the codec's."""
     from afd_common.metadata import MAX_STAGES
     from afd_common.transport import codec, control_plane
 
-    a, f = pair
-    frames = []
+    python = "ffn" if compiled == "attention" else "attention"
+    monkeypatch.setattr(one_link, f"{python}_link", lambda *args: None)
+    a, f = gloo_pair()
+    frames, sent = [], []  # frames the codec decoded; plans the control plane sent
     decode = control_plane.decode_step
     monkeypatch.setattr(control_plane, "decode_step",
                         lambda data: frames.append(bytes(data)) or decode(data))
+    send = a._net.control.send_step
+    monkeypatch.setattr(a._net.control, "send_step", lambda meta: sent.append(meta) or send(meta))
     plans = [StepMetadata(0, StepKind.RUN, (1,)),
              StepMetadata(2**40 + 3, StepKind.RUN, (0, 5, 3)),
              StepMetadata(7, StepKind.RUN, tuple(i % 3 for i in range(MAX_STAGES))),
              StepMetadata(8, StepKind.RUN, (a.shape.max_num_tokens,))]
-    began = []  # plans the control plane's Python would have sent: none
-    monkeypatch.setattr(a._net.control, "send_step", began.append)
+    received = []
+    recv_step = f.recv_step
+    monkeypatch.setattr(f, "recv_step", lambda: received.append(recv_step()) or received[-1])
     t, errors, _ = serve(f, len(plans))
     for meta in plans:
         a.begin_step(meta)
         for layer in LAYERS:
-            sent = [a.send_attn_output(torch.ones(n, H), LayerCall(layer, s))
-                    for s, n in enumerate(meta.stage_tokens)]
-            for p in sent:
+            pending = [a.send_attn_output(torch.ones(n, H), LayerCall(layer, s))
+                       for s, n in enumerate(meta.stage_tokens)]
+            for p in pending:
                 a.recv_ffn_output(p)
         a.end_step()
     t.join(30)
-    assert not errors and not began
-    assert frames == [codec.encode_step(m).ljust(codec.STEP_FRAME_BYTES, b"\0") for m in plans]
+    assert not errors
+    assert [plan.per_source for plan in received] == [{0: meta} for meta in plans]
+    if compiled == "attention":
+        assert not sent
+        assert frames == [codec.encode_step(m).ljust(codec.STEP_FRAME_BYTES, b"\0")
+                          for m in plans]
+    else:
+        assert sent == plans and not frames
+    a.close()
+    f.close()
+
+
+@settings(max_examples=1000, deadline=None)
+@given(frame=frames())
+def test_the_ffn_links_decoder_reads_what_the_codec_reads_and_refuses_the_rest(frame):
+    """Whatever a peer sends: the compiled decoder gives the codec's plan or refuses it as the
+    codec does (the step kind's value is the link's to check, against StepKind)."""
+    from afd_common.errors import AFDProtocolError
+    from afd_common.transport import codec
+
+    padded = frame.ljust(codec.STEP_FRAME_BYTES, b"\0")
+    read = one_link._module.read_step_frame(frame, *codec.STEP_FRAME)
+    try:
+        meta = codec.decode_step(padded)
+    except AFDProtocolError:
+        meta = None
+    if read is None:
+        assert meta is None, meta
+    elif read[1] in {k.value for k in StepKind}:
+        assert meta is not None and (meta.step, meta.kind.value, meta.stage_tokens) == (
+            read[0], read[1], tuple(read[2]))
+
+
+def test_a_plan_the_ffn_link_does_not_begin_is_the_connector_s(pair, monkeypatch):
+    """A malformed frame or a plan above max_num_tokens is refused by name (the codec's and the
+    connector's errors), a STOP ends the step loop, each through the connector's Python."""
+    from afd_common.errors import AFDPeerError, AFDProtocolError
+    from afd_common.transport import codec
+    from afd_common.transport.control_plane import CONTROL_TAG
+
+    a, f = pair
+    control = a._net.control
+    limit = f.shape.max_num_tokens
+
+    def send_raw(frame: bytes):
+        buf = torch.frombuffer(bytearray(frame.ljust(codec.STEP_FRAME_BYTES, b"\0")),
+                               dtype=torch.uint8)
+        control.io.isend(buf, 1, CONTROL_TAG)
+
+    send_raw(b"XX" + codec.encode_step(StepMetadata(0, StepKind.RUN, (1,)))[2:])
+    with pytest.raises(AFDPeerError, match="malformed step metadata from global rank 0: bad "
+                                           "magic"):
+        f.recv_step()
+    send_raw(codec.encode_step(StepMetadata(1, StepKind.RUN, (limit, 1))))
+    with pytest.raises(AFDProtocolError, match=rf"announced {limit + 1} tokens for step 1"):
+        f.recv_step()
+    send_raw(codec.encode_step(StepMetadata(2, StepKind.STOP, (0,))))
+    assert f.recv_step().kind == StepKind.STOP
 
 
 def test_a_plan_the_link_does_not_take_is_the_class_s_to_send_or_refuse(pair):
@@ -163,17 +228,17 @@ def test_the_next_plans_receive_is_posted_with_the_steps_first_answer(pair):
     """Two plans' receives stay posted on the FFN side; the one a step's plan took is posted
     again after the step's first answer, not on the way from the plan to the first rows."""
     a, f = pair
-    posted = f._net.control._posted
+    posted = f._compiled.num_plans_posted  # the link receives the plans (not the control plane)
     a.begin_step(StepMetadata(0, StepKind.RUN, (1, 1)))
     pending = [a.send_attn_output(torch.ones(1, H), LayerCall(1, s)) for s in (0, 1)]
     f.recv_step()
-    assert len(posted) == 1
+    assert posted() == 1 and not f._net.control._posted
     item = f.recv_layer(0, 1)
     f.send_ffn_output(item.hidden_states, item)
-    assert len(posted) == 2
+    assert posted() == 2
     item = f.recv_layer(1, 1)
     f.send_ffn_output(item.hidden_states, item)
-    assert len(posted) == 2
+    assert posted() == 2 and not f._net.control._posted
     for p in pending:
         assert torch.equal(a.recv_ffn_output(p), torch.ones(1, H))
 

@@ -51,7 +51,8 @@ PyObject* current_s_name = nullptr;
 
 // The attributes begin_step reads of a StepMetadata and sets on its half, interned once.
 struct Names {
-  PyObject *half_step, *half_expect, *step, *kind, *stage_tokens;
+  PyObject *half_step, *half_expect, *step, *kind, *stage_tokens, *half_posted, *half_plan,
+      *half_sources, *half_kind, *half_ready, *half_compiled_step;
 } names{};
 
 std::string message(const std::exception& e) {
@@ -59,7 +60,10 @@ std::string message(const std::exception& e) {
   return c10e ? c10e->what_without_backtrace() : e.what();
 }
 
+// A negative ``timeout_s`` is an idle wait (the next step's plan): as long as the peer is there,
+// as PeerIO's IDLE_WAIT.
 std::chrono::milliseconds bound(double timeout_s) {
+  if (timeout_s < 0) return std::chrono::hours(24 * 3650);
   return std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
 }
 
@@ -225,6 +229,68 @@ template <typename... Where>
   throw std::runtime_error("the connector this compiled link served is closed");
 }
 
+// The STEP frame of afd_common.transport.codec (encode_step_into, decode_step), little endian:
+// header (magic, version, frame kind, payload length), then step (q), step kind (B), stages (H),
+// the stage tokens (q each), zeros to the frame's end. The constants come from the codec
+// (``bind``); tests/test_one_link.py holds both directions to the codec's bytes.
+struct StepFrame {
+  static constexpr int64_t kHead = 8 + 8 + 1 + 2;
+  static constexpr int64_t kBytes = kHead + 8 * kMaxStages;
+  std::string magic;
+  int version = 0, kind = 0;
+  int64_t max_tokens = 0;  // a stage's count must be below it
+
+  void set(const std::string& magic_, int version_, int kind_, int64_t frame_bytes,
+           int64_t max_tokens_) {
+    TORCH_CHECK(magic_.size() == 2 && frame_bytes == kBytes, "a STEP frame of ", frame_bytes,
+                " bytes: this module lays out ", kBytes);
+    magic = magic_;
+    version = version_;
+    kind = kind_;
+    max_tokens = max_tokens_;
+  }
+  void encode(uint8_t* b, int64_t step, int64_t step_kind, const int64_t* tokens,
+              int64_t n) const {
+    b[0] = static_cast<uint8_t>(magic[0]);
+    b[1] = static_cast<uint8_t>(magic[1]);
+    b[2] = static_cast<uint8_t>(version);
+    b[3] = static_cast<uint8_t>(kind);
+    put(b + 4, static_cast<uint64_t>(11 + 8 * n), 4);
+    put(b + 8, static_cast<uint64_t>(step), 8);
+    b[16] = static_cast<uint8_t>(step_kind);
+    put(b + 17, static_cast<uint64_t>(n), 2);
+    for (int64_t i = 0; i < n; ++i) put(b + kHead + 8 * i, static_cast<uint64_t>(tokens[i]), 8);
+    std::memset(b + kHead + 8 * n, 0, static_cast<size_t>(kBytes - kHead - 8 * n));
+  }
+  // False for anything but a well-formed frame (the codec's decoder then names what is wrong).
+  bool decode(const uint8_t* b, int64_t& step, int64_t& step_kind, int64_t* tokens,
+              int64_t& n) const {
+    if (b[0] != static_cast<uint8_t>(magic[0]) || b[1] != static_cast<uint8_t>(magic[1]) ||
+        b[2] != version || b[3] != kind)
+      return false;
+    step = static_cast<int64_t>(get(b + 8, 8));
+    step_kind = b[16];
+    n = static_cast<int64_t>(get(b + 17, 2));
+    if (step < 0 || n < 1 || n > kMaxStages || get(b + 4, 4) != static_cast<uint64_t>(11 + 8 * n))
+      return false;
+    for (int64_t i = 0; i < n; ++i) {
+      tokens[i] = static_cast<int64_t>(get(b + kHead + 8 * i, 8));
+      if (tokens[i] < 0 || tokens[i] >= max_tokens) return false;
+    }
+    return true;
+  }
+
+ private:
+  static void put(uint8_t* at, uint64_t v, int size) {
+    for (int i = 0; i < size; ++i) at[i] = static_cast<uint8_t>(v >> (8 * i));
+  }
+  static uint64_t get(const uint8_t* at, int size) {
+    uint64_t v = 0;
+    for (int i = 0; i < size; ++i) v |= static_cast<uint64_t>(at[i]) << (8 * i);
+    return v;
+  }
+};
+
 // What both halves hold: the group, the peer, the rows' dtype and width, the sends to settle.
 class Link {
  public:
@@ -376,19 +442,14 @@ class AttentionLink : public Link {
   // frame size).
   void bind(py::object pending_type, py::object inflight, py::object step_type,
             int64_t max_tokens, int control_tag, py::object plan_failure, std::string magic,
-            int version, int frame_kind, int64_t frame_bytes) {
+            int version, int frame_kind, int64_t frame_bytes, int64_t frame_max_tokens) {
     pending_type_ = std::move(pending_type);
     inflight_ = std::move(inflight);
     step_type_ = std::move(step_type);
     plan_failure_ = std::move(plan_failure);
     max_tokens_ = max_tokens;
     control_tag_ = control_tag;
-    TORCH_CHECK(magic.size() == 2 && frame_bytes == kFrameHead + 8 * kMaxStages,
-                "a STEP frame of ", frame_bytes, " bytes: this module lays out ",
-                kFrameHead + 8 * kMaxStages);
-    magic_ = magic;
-    version_ = version;
-    frame_kind_ = frame_kind;
+    frame_.set(magic, version, frame_kind, frame_bytes, frame_max_tokens);
     for (auto& f : frames_) f = Frame{at::zeros({frame_bytes}, at::kByte), nullptr};
   }
 
@@ -506,11 +567,6 @@ class AttentionLink : public Link {
     return total <= max_tokens_;
   }
 
-  // The STEP frame of afd_common.transport.codec (encode_step_into), little endian: header
-  // (magic, version, frame kind, payload length), then step (q), step kind (B), stages (H), the
-  // stage tokens (q each), zeros to the frame's end. tests/test_one_link.py holds it to the
-  // codec's bytes.
-  static constexpr int64_t kFrameHead = 8 + 8 + 1 + 2;
   void send_plan(int64_t step, int64_t kind, const int64_t* tokens, Py_ssize_t n,
                  double timeout_s) {
     Frame& f = frames_[frame_turn_];
@@ -519,21 +575,7 @@ class AttentionLink : public Link {
       // one stays with its send in sends_ until that settles or the link closes.
       f.bytes = at::zeros_like(f.bytes);
     }
-    uint8_t* b = f.bytes.data_ptr<uint8_t>();
-    auto put = [&b](int64_t at, uint64_t v, int size) {
-      for (int i = 0; i < size; ++i) b[at + i] = static_cast<uint8_t>(v >> (8 * i));
-    };
-    b[0] = static_cast<uint8_t>(magic_[0]);
-    b[1] = static_cast<uint8_t>(magic_[1]);
-    b[2] = static_cast<uint8_t>(version_);
-    b[3] = static_cast<uint8_t>(frame_kind_);
-    put(4, static_cast<uint64_t>(11 + 8 * n), 4);
-    put(8, static_cast<uint64_t>(step), 8);
-    b[16] = static_cast<uint8_t>(kind);
-    put(17, static_cast<uint64_t>(n), 2);
-    for (Py_ssize_t i = 0; i < n; ++i) put(kFrameHead + 8 * i, static_cast<uint64_t>(tokens[i]), 8);
-    int64_t end = kFrameHead + 8 * n;
-    std::memset(b + end, 0, static_cast<size_t>(f.bytes.numel() - end));
+    frame_.encode(f.bytes.data_ptr<uint8_t>(), step, kind, tokens, n);
     f.sent = post(pg_, true, f.bytes, peer_, control_tag_);
     sends_.keep(f.sent, f.bytes);
     frame_turn_ ^= 1;
@@ -544,8 +586,7 @@ class AttentionLink : public Link {
   py::object pending_type_, inflight_, step_type_, plan_failure_;
   int64_t max_tokens_ = 0;
   int control_tag_ = -1;
-  std::string magic_;
-  int version_ = 0, frame_kind_ = 0;
+  StepFrame frame_;
   struct Frame {
     at::Tensor bytes;
     c10::intrusive_ptr<c10d::Work> sent;
@@ -668,16 +709,124 @@ class FFNLink : public Link {
     state_ = State::kIdle;
     serving_ = frame_due_ = false;
     item_type_ = meta_type_ = after_first_send_ = kind_ = py::object();
+    step_type_ = plan_type_ = source_ = plan_failure_ = take_plan_ = py::object();
+    kinds_ = py::dict();
+    for (auto& p : plans_) p = Plan{};
+    posted_plans_.clear();
     sources_ = py::list();
     release();
   }
 
   // What this half needs besides (bind_connector): the work items' types, and what the
-  // connector does after a step's first answer (posts the receive of the next steps' plans).
-  void bind(py::object item_type, py::object meta_type, py::object after_first_send) {
+  // connector does after a step's first answer (posts the receive of the next steps' plans); for
+  // ``recv_step``, the control plane's tag where its frames share this link's group and come
+  // from this link's peer only (else -1: the connector's control plane receives every plan),
+  // the contract's StepMetadata and StepPlan types, StepKind's members by value and STOP's, the
+  // local rank of the attention rank at the other end, how the half words a failed wait for a
+  // plan, what it does with a frame this link does not take (a STOP, a plan to refuse), and the
+  // STEP frame's constants (codec).
+  void bind(py::object item_type, py::object meta_type, py::object after_first_send,
+            int control_tag, py::object step_type, py::object plan_type, py::dict kinds,
+            int64_t stop_kind, int64_t source, py::object plan_failure, py::object take_plan,
+            std::string magic, int version, int frame_kind, int64_t frame_bytes,
+            int64_t frame_max_tokens) {
     item_type_ = std::move(item_type);
     meta_type_ = std::move(meta_type);
     after_first_send_ = std::move(after_first_send);
+    control_tag_ = control_tag;
+    step_type_ = std::move(step_type);
+    plan_type_ = std::move(plan_type);
+    kinds_ = std::move(kinds);
+    stop_kind_ = stop_kind;
+    source_ = py::int_(source);
+    plan_failure_ = std::move(plan_failure);
+    take_plan_ = std::move(take_plan);
+    frame_.set(magic, version, frame_kind, frame_bytes, frame_max_tokens);
+    for (auto& p : plans_) p = Plan{at::zeros({frame_bytes}, at::kByte), nullptr};
+    posted_plans_.clear();
+  }
+
+  // The receives of the next two plans, posted (those of the step before were decoded).
+  void post_plans() {
+    if (control_tag_ < 0 || !pg_) return;
+    while (posted_plans_.size() < 2) {
+      int slot = posted_plans_.empty() ? plan_turn_ : 1 - posted_plans_.back();
+      plans_[slot].work = post(pg_, false, plans_[slot].bytes, peer_, control_tag_);
+      posted_plans_.push_back(slot);
+    }
+  }
+  int64_t num_plans_posted() const { return static_cast<int64_t>(posted_plans_.size()); }
+
+  // ``recv_step``: the next plan, received (an idle wait), decoded and begun here (the step's
+  // first receive posted or found posted ahead), as the connector's recv_step would; a frame
+  // this link does not take goes to the connector's ``take_plan``, which decodes, checks and
+  // begins it or names what is wrong. The Python method answers where the plans are not this
+  // link's, or a step is left unserved (it names that).
+  static py::object recv_step(py::object self) {
+    auto& link = self.cast<FFNLink&>();
+    Bound bound = link.bound_for(2);
+    if (link.control_tag_ < 0 || link.state_ != State::kIdle || !PyMethod_Check(bound.python.ptr()))
+      return bound.python();
+    PyObject* half = PyMethod_GET_SELF(bound.python.ptr());
+    py::object half_posted = py::reinterpret_steal<py::object>(
+        PyObject_GetAttr(half, names.half_posted));
+    if (!half_posted) throw py::error_already_set();
+    if (!half_posted.is_none()) return bound.python();
+    // What follows the wait, taken before it (a close on another thread lets go of it).
+    py::object plan_failure = link.plan_failure_, take_plan = link.take_plan_;
+    py::object step_type = link.step_type_, plan_type = link.plan_type_, source = link.source_;
+    py::dict kinds = link.kinds_;
+    int64_t stop_kind = link.stop_kind_;
+    at::Tensor frame;
+    try {
+      link.post_plans();
+      int slot = link.posted_plans_.front();
+      link.posted_plans_.pop_front();
+      link.plan_turn_ = 1 - slot;
+      auto work = std::move(link.plans_[slot].work);
+      frame = link.plans_[slot].bytes;
+      wait_reply(link.sends_, *work, -1.0);
+    } catch (const LinkError& e) {
+      raise_failure(plan_failure, e);
+    }
+    if (!link.pg_) closed();
+    int64_t step, kind, tokens[kMaxStages], n, total = 0;
+    bool took = link.frame_.decode(frame.data_ptr<uint8_t>(), step, kind, tokens, n) &&
+                kind != stop_kind;
+    py::object kind_obj;
+    if (took) {
+      PyObject* k = PyDict_GetItem(kinds.ptr(), py::int_(kind).ptr());  // borrowed
+      took = k != nullptr;
+      if (took) kind_obj = py::reinterpret_borrow<py::object>(k);
+    }
+    for (int64_t i = 0; took && i < n; ++i) total += tokens[i];
+    if (!took || total > link.max_rows_) return take_plan(frame);
+    py::tuple stage_tokens(n);
+    py::list sources(n);
+    for (int64_t i = 0; i < n; ++i) {
+      py::int_ rows(tokens[i]);
+      stage_tokens[i] = rows;
+      sources[i] = py::make_tuple(py::make_tuple(source, rows));
+    }
+    py::object meta = step_type(step, kind_obj, stage_tokens);
+    py::dict per_source;
+    per_source[source] = meta;
+    py::object plan = plan_type(step, per_source);
+    if (PyObject_SetAttr(half, names.half_plan, plan.ptr()) < 0 ||
+        PyObject_SetAttr(half, names.half_sources, sources.ptr()) < 0)
+      throw py::error_already_set();
+    bool began;
+    try {
+      began = link.begin(std::vector<int64_t>(tokens, tokens + n), step, kind_obj, sources);
+    } catch (const LinkError& e) {
+      raise_failure(plan_failure, e, link.layers_.empty() ? 0 : link.layers_[0], 0);
+    }
+    if (!began) return take_plan(py::none(), plan);  // the Python path serves the step
+    if (PyObject_SetAttr(half, names.half_kind, kind_obj.ptr()) < 0 ||
+        PyObject_SetAttr(half, names.half_ready, Py_None) < 0 ||
+        PyObject_SetAttr(half, names.half_compiled_step, Py_True) < 0)
+      throw py::error_already_set();
+    return plan;
   }
 
   // ``recv_layer``: the WorkItem of the (layer, stage) posted next, or the Python method's answer
@@ -738,10 +887,27 @@ class FFNLink : public Link {
   void sent() {
     if (!frame_due_) return;
     frame_due_ = false;
-    if (after_first_send_) after_first_send_();
+    if (control_tag_ >= 0)
+      post_plans();
+    else if (after_first_send_)
+      after_first_send_();
   }
 
   py::object item_type_, meta_type_, after_first_send_;
+  // The plans, where this link receives them (``bind``): two frames taken in turn, the slots
+  // posted oldest first.
+  int control_tag_ = -1;
+  py::object step_type_, plan_type_, source_, plan_failure_, take_plan_;
+  py::dict kinds_;
+  int64_t stop_kind_ = -1;
+  StepFrame frame_;
+  struct Plan {
+    at::Tensor bytes;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  Plan plans_[2];
+  std::deque<int> posted_plans_;
+  int plan_turn_ = 0;
   // The step this link serves (``begin``): what its work items carry.
   bool serving_ = false;
   bool frame_due_ = false;
@@ -867,10 +1033,15 @@ PYBIND11_MODULE(_one_link, m) {
     current_s_name = PyUnicode_InternFromString("current_s");
     names = {PyUnicode_InternFromString("_step"), PyUnicode_InternFromString("_expect"),
              PyUnicode_InternFromString("step"), PyUnicode_InternFromString("kind"),
-             PyUnicode_InternFromString("stage_tokens")};
-    if (current_s_name == nullptr || !names.half_step || !names.half_expect || !names.step ||
-        !names.kind || !names.stage_tokens)
-      throw py::error_already_set();
+             PyUnicode_InternFromString("stage_tokens"), PyUnicode_InternFromString("_posted"),
+             PyUnicode_InternFromString("_plan"), PyUnicode_InternFromString("_sources"),
+             PyUnicode_InternFromString("_kind"), PyUnicode_InternFromString("_ready"),
+             PyUnicode_InternFromString("_compiled_step")};
+    for (PyObject* name : {current_s_name, names.half_step, names.half_expect, names.step,
+                           names.kind, names.stage_tokens, names.half_posted, names.half_plan,
+                           names.half_sources, names.half_kind, names.half_ready,
+                           names.half_compiled_step})
+      if (name == nullptr) throw py::error_already_set();
   }
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
@@ -881,6 +1052,21 @@ PYBIND11_MODULE(_one_link, m) {
     }
   });
 
+  m.def(
+      "read_step_frame",
+      [](py::bytes data, std::string magic, int version, int frame_kind, int64_t frame_bytes,
+         int64_t max_tokens) -> py::object {
+        StepFrame f;
+        f.set(magic, version, frame_kind, frame_bytes, max_tokens);
+        std::string b = data;
+        b.resize(static_cast<size_t>(StepFrame::kBytes), '\0');
+        int64_t step, kind, tokens[kMaxStages], n;
+        if (!f.decode(reinterpret_cast<const uint8_t*>(b.data()), step, kind, tokens, n))
+          return py::none();
+        return py::make_tuple(step, kind, std::vector<int64_t>(tokens, tokens + n));
+      },
+      "The FFN link's STEP frame decoder on its own (``data`` padded with zeros to a frame): "
+      "(step, step kind, stage tokens), or None for a frame it refuses.");
   py::class_<Link>(m, "Link")
       .def("flush", &Link::flush)
       .def("bind_connector", &Link::bind_connector);
@@ -918,5 +1104,8 @@ PYBIND11_MODULE(_one_link, m) {
       .def("bind", &FFNLink::bind)
       .def("recv_layer", &FFNLink::recv_layer, py::arg("stage_idx"), py::arg("layer_idx"),
            py::arg("max_num_tokens") = py::none())
-      .def("send_ffn_output", &FFNLink::send_ffn_output, py::arg("output"), py::arg("item"));
+      .def("send_ffn_output", &FFNLink::send_ffn_output, py::arg("output"), py::arg("item"))
+      .def("recv_step", &FFNLink::recv_step)
+      .def("post_plans", &FFNLink::post_plans)
+      .def("num_plans_posted", &FFNLink::num_plans_posted);
 }

@@ -442,11 +442,7 @@ class ScheduledFFNConnector(AFDConnector):
     def recv_step(self) -> StepPlan:
         """The next step's plan: every served attention rank's ``StepMetadata``. Waits as long
         as the peers are connected (an idle role may wait for days)."""
-        plan = self._require_net().control.recv_step(None)
-        self._on_step(plan)
-        if plan.kind != StepKind.STOP:
-            self._post_first()
-        return plan
+        return self._begin_plan(self._require_net().control.recv_step(None))
 
     @abc.abstractmethod
     def recv_layer(self, stage_idx: int, layer_idx: int,
@@ -466,6 +462,13 @@ class ScheduledFFNConnector(AFDConnector):
         self.timeouts.step_done()
 
     # -- for the halves ----------------------------------------------------------------------
+
+    def _begin_plan(self, plan: StepPlan) -> StepPlan:
+        """A plan received: checked and remembered, and unless it is a STOP the step begun."""
+        self._on_step(plan)
+        if plan.kind != StepKind.STOP:
+            self._post_first()
+        return plan
 
     def _post_first(self) -> None:
         """Right after a plan: the step's first receives, for a half that posts them ahead,

@@ -41,12 +41,14 @@ from typing import NamedTuple
 import torch
 
 from afd_common.errors import AFDProtocolError
-from afd_common.metadata import StepKind, WorkItem, WorkItemMeta, new_tuple
+from afd_common.metadata import StepKind, StepMetadata, WorkItem, WorkItemMeta, new_tuple
+from afd_common.transport import codec
+from afd_common.transport.control_plane import CONTROL_TAG, decoded
 from afd_common.transport import one_link
 from afd_common.transport.one_link import LinkError
 from afd_common.transport.p2p import (PROTOCOL, DataTags, ReceiveBuffers, count_tag,
                                       open_p2p_world, unpack)
-from afd_common.contract import ScheduledFFNConnector
+from afd_common.contract import ScheduledFFNConnector, StepPlan
 
 
 class Posted(NamedTuple):
@@ -111,6 +113,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
         # The one-source path compiled, where it can serve (afd_common.transport.one_link), and
         # whether it serves the current step (every step with a MoE layer and a stage).
         self._compiled, self._compiled_step = None, False
+        self._plans_served = False  # whether the compiled link receives the plans too
 
     def _open(self):
         # Nothing posted on a world that is gone is waited on.
@@ -119,13 +122,41 @@ class P2pFFNConnector(ScheduledFFNConnector):
         self._buffers = ReceiveBuffers(shape.hidden_size, shape.dtype, shape.top_k, self._gate,
                                        self.device)
         net = open_p2p_world(self, self.backend)
+        self._plans_served = False
         if self._one_src is not None:
             link = self._compiled = one_link.ffn_link(net.data, self._one_src, shape)
             if link is not None:
+                # The plans too, where the control plane's frames share the rows' group and
+                # come from the one attention rank, all of whose rows come here (a plan's
+                # counts are this link's rows).
+                self._plans_served = (net.control.io is net.data
+                                      and list(net.control.peers) == [self._one_src]
+                                      and self._links[0].num_chunks == 1)
                 one_link.serve(self, link, self._failure_from, WorkItem, WorkItemMeta,
-                               self._post_frame)
+                               self._post_frame, CONTROL_TAG if self._plans_served else -1,
+                               StepMetadata, StepPlan, {k.value: k for k in StepKind},
+                               StepKind.STOP.value, self._links[0].attention_rank,
+                               self._plan_failure, self._take_plan, *codec.STEP_FRAME)
         self._compiled_step = False
         return net
+
+    def _take_plan(self, frame: torch.Tensor | None, plan: StepPlan | None = None) -> StepPlan:
+        """A plan the compiled link received and does not begin itself: ``frame`` (a STOP, a
+        plan to refuse) decoded, checked and begun as the control plane's receiver would, or
+        ``plan``, which it decoded and checked, begun on the Python path."""
+        if plan is not None:
+            self._post_first()
+            return plan
+        meta = decoded(self._one_src, memoryview(frame.numpy()))
+        return self._begin_plan(StepPlan(meta.step, {self._links[0].attention_rank: meta}))
+
+    def _plan_failure(self, e: LinkError, *where) -> Exception:
+        """A failure of the compiled link's ``recv_step``: waiting for the plan, or posting the
+        step's first receive (``where``: its layer and stage)."""
+        if where:
+            return self._link_failure(e, *where)
+        return one_link.failure(self._net.data, e, self._one_src, "the next step's metadata",
+                                None)
 
     def recv_step(self):
         posted = self._posted
@@ -155,7 +186,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
             # already: posted after the step's first send instead.
             self._frame_due = True
         else:
-            self._net.control.post_next()
+            self._post_plans()
 
     def recv_layer(self, stage_idx, layer_idx, max_num_tokens=None) -> WorkItem:
         if self._compiled_step:  # inline: a call more costs a cold frame on the round trip
@@ -347,7 +378,14 @@ class P2pFFNConnector(ScheduledFFNConnector):
 
     def _post_frame(self) -> None:
         self._frame_due = False
-        self._net.control.post_next()
+        self._post_plans()
+
+    def _post_plans(self) -> None:
+        """The receives of the next steps' plans, by whichever receives them."""
+        if self._plans_served:
+            self._compiled.post_plans()
+        else:
+            self._net.control.post_next()
 
     def _not_next(self, stage_idx: int, layer_idx: int) -> None:
         """Why the compiled link refused ``recv_layer``: a bad call, or not the one next."""
@@ -385,6 +423,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
 
     def _release(self, net) -> None:
         compiled, self._compiled, self._compiled_step = self._compiled, None, False
+        self._plans_served = False
         if compiled is not None:
             one_link.unserve(self)
             try:  # before drop(), which lets go of the sends

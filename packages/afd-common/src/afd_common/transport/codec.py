@@ -77,10 +77,11 @@ _STEP_FRAME_HEAD = struct.Struct("<2sBBIqBH")
 _STAGE_TOKENS = [struct.Struct(f"<{n}q") for n in range(MAX_STAGES + 1)]
 _STEP = int(FrameKind.STEP)
 _ZEROS = memoryview(bytes(STEP_FRAME_BYTES))
-#: What the compiled link's copy of ``encode_step_into`` (csrc/one_link.cpp, the attention half's
-#: ``begin_step``) takes from here: magic, version, frame kind, frame size. The layout itself is
-#: written there again; tests/test_one_link.py holds the two to the same bytes.
-STEP_FRAME = (MAGIC.decode(), WIRE_VERSION, _STEP, STEP_FRAME_BYTES)
+#: What the compiled link's copies of ``encode_step_into`` and ``decode_step`` (csrc/one_link.cpp:
+#: the attention half's ``begin_step``, the FFN half's ``recv_step``) take from here: magic,
+#: version, frame kind, frame size, the bound of a stage's count. The layout itself is written
+#: there again; tests/test_one_link.py holds both to the codec's bytes and decisions.
+STEP_FRAME = (MAGIC.decode(), WIRE_VERSION, _STEP, STEP_FRAME_BYTES, MAX_TOKENS)
 
 
 def encode_step_into(meta: StepMetadata, buf) -> int:

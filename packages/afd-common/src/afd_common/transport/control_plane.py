@@ -89,11 +89,8 @@ class GlooControlPlane(ControlPlane):
         per_source: dict[int, StepMetadata] = {}
         for peer, pending in bufs.items():
             self.io.wait(pending, timeout_s)
-            try:  # straight from the buffer: decoding copies every value out
-                per_source[self.peers[peer]] = first = decode_step(self._frames[slot, peer][1])
-            except AFDProtocolError as e:
-                raise AFDPeerError(
-                    f"malformed step metadata from global rank {peer}: {e}") from None
+            # Straight from the buffer: decoding copies every value out.
+            per_source[self.peers[peer]] = first = decoded(peer, self._frames[slot, peer][1])
         if len(per_source) > 1:
             (a0, first), *rest = per_source.items()
             for a, meta in rest:
@@ -105,6 +102,14 @@ class GlooControlPlane(ControlPlane):
                         f"attention rank {a} step {meta.step} ({meta.kind.name}, "
                         f"{meta.num_stages} stages)")
         return StepPlan(first.step, per_source)
+
+
+def decoded(peer: int, frame) -> StepMetadata:
+    """The plan in a STEP frame from global rank ``peer``, or the error naming it."""
+    try:
+        return decode_step(frame)
+    except AFDProtocolError as e:
+        raise AFDPeerError(f"malformed step metadata from global rank {peer}: {e}") from None
 
 
 def _buffer() -> tuple[torch.Tensor, memoryview]:

@@ -104,10 +104,10 @@ def ffn_link(io: PeerIO | None, src: int, shape):
                  shape.max_num_tokens)
 
 
-#: Each half's primitives on the path of every layer (and the attention half's of a step's
-#: start: its plan goes out before the step's first rows), by role.
+#: Each half's primitives on the path of every layer, and of a step's start (the plan, which
+#: the step's first rows follow at once), by role.
 PRIMITIVES = {"attention": ("send_attn_output", "recv_ffn_output", "begin_step"),
-              "ffn": ("recv_layer", "send_ffn_output")}
+              "ffn": ("recv_layer", "send_ffn_output", "recv_step")}
 
 
 def serve(half, link, failure, *context) -> None:
