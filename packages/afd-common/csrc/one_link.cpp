@@ -331,8 +331,24 @@ class Link {
   void release() {
     pg_.reset();
     sends_.clear();
-    timeouts_ = failure_ = py::object();
+    timeouts_ = failure_ = step_type_ = plan_failure_ = py::object();
     python_.clear();
+    for (auto& f : plans_) f = PlanFrame{};
+    control_tag_ = -1;
+  }
+
+  // The plans are this link's (each half's ``bind``): the control plane's tag, where its frames
+  // share this link's group and go between this link's two ranks only (else -1: the connector's
+  // control plane carries every plan), the contract's StepMetadata, how the half words a
+  // failure on the way of a plan, and the STEP frame's constants (codec.STEP_FRAME).
+  void bind_plans(int control_tag, py::object step_type, py::object plan_failure,
+                  const std::string& magic, int version, int frame_kind, int64_t frame_bytes,
+                  int64_t max_tokens) {
+    control_tag_ = control_tag;
+    step_type_ = std::move(step_type);
+    plan_failure_ = std::move(plan_failure);
+    frame_.set(magic, version, frame_kind, frame_bytes, max_tokens);
+    for (auto& f : plans_) f = PlanFrame{at::zeros({frame_bytes}, at::kByte), nullptr};
   }
 
   c10::intrusive_ptr<c10d::Backend> pg_;
@@ -342,6 +358,16 @@ class Link {
   Sends sends_;
   py::object timeouts_, failure_;
   std::vector<py::object> python_;  // the connector's own methods (bind_connector)
+  // The plans (bind_plans): two frames taken in turn, each with its last send or receive.
+  int control_tag_ = -1;
+  py::object step_type_, plan_failure_;
+  StepFrame frame_;
+  struct PlanFrame {
+    at::Tensor bytes;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  PlanFrame plans_[2];
+  int plan_turn_ = 0;
 };
 
 // The attention half: every row of the rank to one FFN rank, which computes the routing.
@@ -429,28 +455,21 @@ class AttentionLink : public Link {
     for (auto& slot : slots_) slot = Slot{};
     in_flight_ = 0;
     spare_ = at::Tensor();
-    pending_type_ = inflight_ = step_type_ = plan_failure_ = py::object();
-    for (auto& f : frames_) f = Frame{};
+    pending_type_ = inflight_ = py::object();
     release();
   }
 
   // What this half needs besides (bind_connector): PendingResult, and the connector's calls in
-  // flight on its Python path; for ``begin_step``, the contract's StepMetadata type, the most
-  // tokens a step may bring (max_num_tokens), the control plane's tag where its frames go on
-  // this link's group (else -1: the Python method sends every plan), how the half words a
-  // failed send of a plan, and the STEP frame's constants (codec: magic, version, frame kind,
-  // frame size).
-  void bind(py::object pending_type, py::object inflight, py::object step_type,
-            int64_t max_tokens, int control_tag, py::object plan_failure, std::string magic,
-            int version, int frame_kind, int64_t frame_bytes, int64_t frame_max_tokens) {
+  // flight on its Python path; for ``begin_step``, the most tokens a step may bring
+  // (max_num_tokens) and the plans' (bind_plans; -1: the Python method sends every plan).
+  void bind(py::object pending_type, py::object inflight, int64_t max_tokens, int control_tag,
+            py::object step_type, py::object plan_failure, std::string magic, int version,
+            int frame_kind, int64_t frame_bytes, int64_t frame_max_tokens) {
     pending_type_ = std::move(pending_type);
     inflight_ = std::move(inflight);
-    step_type_ = std::move(step_type);
-    plan_failure_ = std::move(plan_failure);
     max_tokens_ = max_tokens;
-    control_tag_ = control_tag;
-    frame_.set(magic, version, frame_kind, frame_bytes, frame_max_tokens);
-    for (auto& f : frames_) f = Frame{at::zeros({frame_bytes}, at::kByte), nullptr};
+    bind_plans(control_tag, std::move(step_type), std::move(plan_failure), magic, version,
+               frame_kind, frame_bytes, frame_max_tokens);
   }
 
   // ``begin_step``: the step's plan encoded into one of two frames and sent, before anything
@@ -569,30 +588,22 @@ class AttentionLink : public Link {
 
   void send_plan(int64_t step, int64_t kind, const int64_t* tokens, Py_ssize_t n,
                  double timeout_s) {
-    Frame& f = frames_[frame_turn_];
-    if (f.sent && !f.sent->isCompleted()) {
+    PlanFrame& f = plans_[plan_turn_];
+    if (f.work && !f.work->isCompleted()) {
       // A failure left its send unsettled (the peer may still read it): a new frame; the old
       // one stays with its send in sends_ until that settles or the link closes.
       f.bytes = at::zeros_like(f.bytes);
     }
     frame_.encode(f.bytes.data_ptr<uint8_t>(), step, kind, tokens, n);
-    f.sent = post(pg_, true, f.bytes, peer_, control_tag_);
-    sends_.keep(f.sent, f.bytes);
-    frame_turn_ ^= 1;
+    f.work = post(pg_, true, f.bytes, peer_, control_tag_);
+    sends_.keep(f.work, f.bytes);
+    plan_turn_ ^= 1;
     py::gil_scoped_release nogil;
     sends_.settle_all_but_last(timeout_s);
   }
 
-  py::object pending_type_, inflight_, step_type_, plan_failure_;
+  py::object pending_type_, inflight_;
   int64_t max_tokens_ = 0;
-  int control_tag_ = -1;
-  StepFrame frame_;
-  struct Frame {
-    at::Tensor bytes;
-    c10::intrusive_ptr<c10d::Work> sent;
-  };
-  Frame frames_[2];
-  int frame_turn_ = 0;
 
   struct Slot {
     c10::intrusive_ptr<c10d::Work> work;
@@ -709,9 +720,8 @@ class FFNLink : public Link {
     state_ = State::kIdle;
     serving_ = frame_due_ = false;
     item_type_ = meta_type_ = after_first_send_ = kind_ = py::object();
-    step_type_ = plan_type_ = source_ = plan_failure_ = take_plan_ = py::object();
+    plan_type_ = source_ = take_plan_ = py::object();
     kinds_ = py::dict();
-    for (auto& p : plans_) p = Plan{};
     posted_plans_.clear();
     sources_ = py::list();
     release();
@@ -719,30 +729,25 @@ class FFNLink : public Link {
 
   // What this half needs besides (bind_connector): the work items' types, and what the
   // connector does after a step's first answer (posts the receive of the next steps' plans); for
-  // ``recv_step``, the control plane's tag where its frames share this link's group and come
-  // from this link's peer only (else -1: the connector's control plane receives every plan),
-  // the contract's StepMetadata and StepPlan types, StepKind's members by value and STOP's, the
-  // local rank of the attention rank at the other end, how the half words a failed wait for a
-  // plan, what it does with a frame this link does not take (a STOP, a plan to refuse), and the
-  // STEP frame's constants (codec).
+  // ``recv_step``, the plans' (bind_plans; -1: the connector's control plane receives every
+  // plan), then the contract's StepPlan, StepKind's members by value and STOP's, the local rank
+  // of the attention rank at the other end, and what the connector does with a frame this link
+  // does not take (a STOP, a plan to refuse).
   void bind(py::object item_type, py::object meta_type, py::object after_first_send,
-            int control_tag, py::object step_type, py::object plan_type, py::dict kinds,
-            int64_t stop_kind, int64_t source, py::object plan_failure, py::object take_plan,
-            std::string magic, int version, int frame_kind, int64_t frame_bytes,
-            int64_t frame_max_tokens) {
+            int control_tag, py::object step_type, py::object plan_failure, std::string magic,
+            int version, int frame_kind, int64_t frame_bytes, int64_t frame_max_tokens,
+            py::object plan_type, py::dict kinds, int64_t stop_kind, int64_t source,
+            py::object take_plan) {
     item_type_ = std::move(item_type);
     meta_type_ = std::move(meta_type);
     after_first_send_ = std::move(after_first_send);
-    control_tag_ = control_tag;
-    step_type_ = std::move(step_type);
+    bind_plans(control_tag, std::move(step_type), std::move(plan_failure), magic, version,
+               frame_kind, frame_bytes, frame_max_tokens);
     plan_type_ = std::move(plan_type);
     kinds_ = std::move(kinds);
     stop_kind_ = stop_kind;
     source_ = py::int_(source);
-    plan_failure_ = std::move(plan_failure);
     take_plan_ = std::move(take_plan);
-    frame_.set(magic, version, frame_kind, frame_bytes, frame_max_tokens);
-    for (auto& p : plans_) p = Plan{at::zeros({frame_bytes}, at::kByte), nullptr};
     posted_plans_.clear();
   }
 
@@ -894,20 +899,12 @@ class FFNLink : public Link {
   }
 
   py::object item_type_, meta_type_, after_first_send_;
-  // The plans, where this link receives them (``bind``): two frames taken in turn, the slots
-  // posted oldest first.
-  int control_tag_ = -1;
-  py::object step_type_, plan_type_, source_, plan_failure_, take_plan_;
+  // What recv_step makes of a plan (``bind``), and the plan frames' receives posted, oldest
+  // first.
+  py::object plan_type_, source_, take_plan_;
   py::dict kinds_;
   int64_t stop_kind_ = -1;
-  StepFrame frame_;
-  struct Plan {
-    at::Tensor bytes;
-    c10::intrusive_ptr<c10d::Work> work;
-  };
-  Plan plans_[2];
   std::deque<int> posted_plans_;
-  int plan_turn_ = 0;
   // The step this link serves (``begin``): what its work items carry.
   bool serving_ = false;
   bool frame_due_ = false;

@@ -64,8 +64,8 @@ class P2pAttentionConnector(AttentionConnector):
                 # The plans too, where the control plane's frames share the rows' group.
                 shared = net.control.io is net.data
                 one_link.serve(self, link, self._link_failure, PendingResult, self._inflight,
-                               StepMetadata, self.shape.max_num_tokens,
-                               CONTROL_TAG if shared else -1, self._plan_failure, *codec.STEP_FRAME)
+                               self.shape.max_num_tokens, CONTROL_TAG if shared else -1,
+                               StepMetadata, self._plan_failure, *codec.STEP_FRAME)
         return net
 
     def begin_step(self, meta) -> None:

@@ -134,9 +134,9 @@ class P2pFFNConnector(ScheduledFFNConnector):
                                       and self._links[0].num_chunks == 1)
                 one_link.serve(self, link, self._failure_from, WorkItem, WorkItemMeta,
                                self._post_frame, CONTROL_TAG if self._plans_served else -1,
-                               StepMetadata, StepPlan, {k.value: k for k in StepKind},
-                               StepKind.STOP.value, self._links[0].attention_rank,
-                               self._plan_failure, self._take_plan, *codec.STEP_FRAME)
+                               StepMetadata, self._plan_failure, *codec.STEP_FRAME, StepPlan,
+                               {k.value: k for k in StepKind}, StepKind.STOP.value,
+                               self._links[0].attention_rank, self._take_plan)
         self._compiled_step = False
         return net
 
