@@ -2,6 +2,7 @@
 
 import multiprocessing as mp
 import queue
+import threading
 import time
 import traceback
 
@@ -394,18 +395,25 @@ def test_a_rank_that_finds_its_own_claim_is_told_the_last_world_is_closing():
     from afd_common.transport.process_groups import Rendezvous
     from afd_common.transport.world import AFDWorld
 
-    spec = Spec(2, 1, timeout_s=1, port=free_port())
-    topo = Topology(2, 1)
+    spec = Spec(3, 1, timeout_s=1, port=free_port())
+    topo = Topology(3, 1)
     old = Rendezvous("127.0.0.1", spec.port, True, 5, "the last world's FFN rank 0")
 
     def form(rank: int) -> None:
         AFDWorld(spec.config("attention"), rank, topo.world_size, topo.global_rank, {}, 1)
 
-    with pytest.raises(AFDPeerError) as first:  # claimed, then no peer said hello
+    with pytest.raises(AFDPeerError) as first:  # claimed, then no peer said hello: left
         form(0)
     assert not isinstance(first.value, AFDRendezvousClosingError)
     with pytest.raises(AFDRendezvousClosingError, match="still the last world's"):
         form(0)
-    old.store.set(f"afd/claim/{topo.global_rank('attention', 1)}", b"1@another")
+    # A world this process has not left (it waits for its peers) holds its claim.
+    waiting = threading.Thread(target=lambda: pytest.raises(AFDPeerError, form, 1))
+    waiting.start()
+    time.sleep(0.3)
     with pytest.raises(AFDHandshakeError, match="already taken by another process"):
         form(1)
+    waiting.join()
+    old.store.set(f"afd/claim/{topo.global_rank('attention', 2)}", b"1@another")
+    with pytest.raises(AFDHandshakeError, match="already taken by another process"):
+        form(2)

@@ -509,7 +509,7 @@ def test_compiled_failures_are_worded_as_the_python_paths(kind, error, raised, w
     from afd_common.transport.peer_io import PeerIO
 
     io = PeerIO(SimpleNamespace(name=lambda: "gloo"), lambda rank: f"FFN rank {rank}")
-    e = one_link.failure(io, one_link.LinkError(kind, error), 0,
+    e = one_link.failure(SimpleNamespace(data=io), one_link.LinkError(kind, error), 0,
                          ("the FFN result of layer {} stage {}", 1, 0), 1.0)
     assert type(e) is raised and str(e).startswith(words), str(e)
     assert "second line" not in str(e) and "more" not in str(e)
@@ -572,3 +572,28 @@ def test_a_lost_peer_is_named_on_either_side():
     finally:
         a.close()
         f.close()
+
+
+def test_an_ffn_link_waiting_for_a_plan_past_its_connector_s_close_ends_by_name():
+    """An FFN role stopped while idle (its service closes the connector from another thread):
+    the wait for the next plan ends when the peer goes, as on the Python path, with an AFD error
+    saying the connector closed (not a crash on what the close let go of)."""
+    a, f = gloo_pair()
+    assert f._plans_served
+    out = {}
+
+    def wait():
+        try:
+            f.recv_step()
+        except Exception as e:  # noqa: BLE001 - inspected below
+            out["error"] = e
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.3)
+    f.close()
+    a.close()
+    t.join(10)
+    assert not t.is_alive()
+    assert isinstance(out.get("error"), AFDPeerError), out
+    assert "the connector closed while its compiled link was busy (wait" in str(out["error"])

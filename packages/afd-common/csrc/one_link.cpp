@@ -52,7 +52,7 @@ PyObject* current_s_name = nullptr;
 // The attributes begin_step reads of a StepMetadata and sets on its half, interned once.
 struct Names {
   PyObject *half_step, *half_expect, *step, *kind, *stage_tokens, *half_posted, *half_plan,
-      *half_sources, *half_kind, *half_ready, *half_compiled_step;
+      *half_sources, *half_kind, *half_ready, *half_compiled_step, *half_net;
 } names{};
 
 std::string message(const std::exception& e) {
@@ -150,8 +150,8 @@ class Sends {
 // ``pg`` by value: a close on another thread cannot free the group under the call.
 c10::intrusive_ptr<c10d::Work> post(c10::intrusive_ptr<c10d::Backend> pg, bool send,
                                     const at::Tensor& t, int peer, int tag) {
+  std::vector<at::Tensor> v{t};  // with the GIL: ``t`` may be a member a close resets
   py::gil_scoped_release nogil;
-  std::vector<at::Tensor> v{t};
   try {
     return send ? pg->send(v, peer, tag) : pg->recv(v, peer, tag);
   } catch (const std::exception& e) {
@@ -401,8 +401,9 @@ class AttentionLink : public Link {
       // worse). Later layers send first: there, the same order made a step slower at 16
       // tokens. Gloo matches by tag, so the receive may come first (a transport matching in
       // posting order could not take it: this link runs on Gloo only).
-      slot.work = post(pg_, false, out, peer_, tag);
+      auto answer = post(pg_, false, out, peer_, tag);
       sends_.keep(post(pg_, true, h, peer_, tag), h);
+      slot.work = std::move(answer);
     } else {
       sends_.keep(post(pg_, true, h, peer_, tag), h);
       slot.work = post(pg_, false, out, peer_, tag);
@@ -488,6 +489,11 @@ class AttentionLink : public Link {
         Py_TYPE(meta.ptr()) == reinterpret_cast<PyTypeObject*>(link.step_type_.ptr()) &&
         link.read_plan(meta, step, kind, tokens, n)) {
       PyObject* half = PyMethod_GET_SELF(bound.python.ptr());
+      // A close begun on another thread (its goodbye may be on the wire): the class's method
+      // says so.
+      py::object net = py::reinterpret_steal<py::object>(PyObject_GetAttr(half, names.half_net));
+      if (!net) throw py::error_already_set();
+      if (net.is_none()) return bound.python(meta);
       // The step's before its plan goes: a failure after that must not leave the last one's.
       if (PyObject_SetAttr(half, names.half_step, meta.ptr()) < 0 ||
           PyObject_SetAttr(half, names.half_expect, Py_None) < 0)
@@ -753,10 +759,12 @@ class FFNLink : public Link {
 
   // The receives of the next two plans, posted (those of the step before were decoded).
   void post_plans() {
-    if (control_tag_ < 0 || !pg_) return;
-    while (posted_plans_.size() < 2) {
+    // Checked on every pass: each post lets another thread in, whose close may drop the link.
+    while (control_tag_ >= 0 && pg_ && posted_plans_.size() < 2) {
       int slot = posted_plans_.empty() ? plan_turn_ : 1 - posted_plans_.back();
-      plans_[slot].work = post(pg_, false, plans_[slot].bytes, peer_, control_tag_);
+      auto work = post(pg_, false, plans_[slot].bytes, peer_, control_tag_);
+      if (!pg_) return;
+      plans_[slot].work = std::move(work);
       posted_plans_.push_back(slot);
     }
   }
@@ -785,6 +793,7 @@ class FFNLink : public Link {
     at::Tensor frame;
     try {
       link.post_plans();
+      if (!link.pg_ || link.posted_plans_.empty()) closed();
       int slot = link.posted_plans_.front();
       link.posted_plans_.pop_front();
       link.plan_turn_ = 1 - slot;
@@ -794,7 +803,9 @@ class FFNLink : public Link {
     } catch (const LinkError& e) {
       raise_failure(plan_failure, e);
     }
-    if (!link.pg_) closed();
+    // Closed meanwhile (the frame may be the peer's goodbye): an AFD error, as for a wait the
+    // close ended.
+    if (!link.pg_) raise_failure(plan_failure, LinkError{"wait", "closed while it waited"});
     int64_t step, kind, tokens[kMaxStages], n, total = 0;
     bool took = link.frame_.decode(frame.data_ptr<uint8_t>(), step, kind, tokens, n) &&
                 kind != stop_kind;
@@ -818,7 +829,8 @@ class FFNLink : public Link {
     per_source[source] = meta;
     py::object plan = plan_type(step, per_source);
     if (PyObject_SetAttr(half, names.half_plan, plan.ptr()) < 0 ||
-        PyObject_SetAttr(half, names.half_sources, sources.ptr()) < 0)
+        PyObject_SetAttr(half, names.half_sources, sources.ptr()) < 0 ||
+        PyObject_SetAttr(half, names.half_compiled_step, Py_False) < 0)  // unless it begins
       throw py::error_already_set();
     bool began;
     try {
@@ -1033,11 +1045,11 @@ PYBIND11_MODULE(_one_link, m) {
              PyUnicode_InternFromString("stage_tokens"), PyUnicode_InternFromString("_posted"),
              PyUnicode_InternFromString("_plan"), PyUnicode_InternFromString("_sources"),
              PyUnicode_InternFromString("_kind"), PyUnicode_InternFromString("_ready"),
-             PyUnicode_InternFromString("_compiled_step")};
+             PyUnicode_InternFromString("_compiled_step"), PyUnicode_InternFromString("_net")};
     for (PyObject* name : {current_s_name, names.half_step, names.half_expect, names.step,
                            names.kind, names.stage_tokens, names.half_posted, names.half_plan,
                            names.half_sources, names.half_kind, names.half_ready,
-                           names.half_compiled_step})
+                           names.half_compiled_step, names.half_net})
       if (name == nullptr) throw py::error_already_set();
   }
   py::register_local_exception_translator([](std::exception_ptr p) {

@@ -190,10 +190,10 @@ class P2pAttentionConnector(AttentionConnector):
     def _plan_failure(self, e: LinkError) -> Exception:
         """A plan's send or the settling of the sends before it failed (the compiled link's
         ``begin_step``): worded as the control plane's PeerIO words it."""
-        return one_link.failure(self._net.data, e, self._one_dst, None, self.timeouts.current_s)
+        return one_link.failure(self._net, e, self._one_dst, None, self.timeouts.current_s)
 
     def _link_failure(self, e: LinkError, call: LayerCall) -> Exception:
-        return one_link.failure(self._net.data, e, self._one_dst,
+        return one_link.failure(self._net, e, self._one_dst,
                                 ("the FFN result of layer {} stage {}", *call),
                                 self.timeouts.current_s)
 
@@ -208,10 +208,11 @@ class P2pAttentionConnector(AttentionConnector):
         return call in self._inflight or (compiled is not None and compiled.holds(*call))
 
     def _release(self, net) -> None:
+        # The class's methods first: one called meanwhile says the connector is closed.
+        one_link.unserve(self)
         try:
             super()._release(net)
         finally:
             link, self._compiled = self._compiled, None
             if link is not None:
-                one_link.unserve(self)
                 link.drop()

@@ -155,7 +155,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
         step's first receive (``where``: its layer and stage)."""
         if where:
             return self._link_failure(e, *where)
-        return one_link.failure(self._net.data, e, self._one_src, "the next step's metadata",
+        return one_link.failure(self._net, e, self._one_src, "the next step's metadata",
                                 None)
 
     def recv_step(self):
@@ -417,7 +417,7 @@ class P2pFFNConnector(ScheduledFFNConnector):
         return self._link_failure(e, layer_idx, stage_idx)
 
     def _link_failure(self, e: LinkError, layer_idx: int, stage_idx: int) -> Exception:
-        return one_link.failure(self._net.data, e, self._one_src,
+        return one_link.failure(self._net, e, self._one_src,
                                 ("hidden states of layer {} stage {}", layer_idx, stage_idx),
                                 self.timeouts.current_s)
 

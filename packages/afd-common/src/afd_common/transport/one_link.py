@@ -29,8 +29,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from afd_common.errors import AFDPeerError
 from afd_common.metadata import MAX_STAGES
-from afd_common.transport.peer_io import PeerIO
+from afd_common.transport.peer_io import PeerIO, first_line_of
 
 logger = logging.getLogger("vllm.afd")
 _REMEDY = ("reinstall afd-common to compile it against this torch (`uv sync --reinstall-package "
@@ -137,7 +138,13 @@ def unserve(half) -> None:
         half.__dict__.pop(name, None)
 
 
-def failure(io: PeerIO, e: LinkError, peer: int, what: tuple, timeout_s: float) -> Exception:
-    """The AFD error for a failure the compiled link raised, worded as PeerIO words its own."""
+def failure(net, e: LinkError, peer: int, what: tuple | str | None,
+            timeout_s: float | None) -> Exception:
+    """The AFD error for a failure the compiled link raised, worded as its connector's ``net``
+    (its data PeerIO) words its own; ``net`` None: the connector closed meanwhile (from another
+    thread), which ended the wait or its peer's."""
     kind, detail = e.args
-    return io.failure(kind, peer, what, timeout_s, detail)
+    if net is None:
+        return AFDPeerError(f"the connector closed while its compiled link was busy ({kind}: "
+                            f"{first_line_of(detail)})")
+    return net.data.failure(kind, peer, what, timeout_s, detail)

@@ -48,10 +48,10 @@ from afd_common.transport.process_groups import (CONNECT_PROGRESS_EVERY_S, Rende
 logger = logging.getLogger("vllm.afd")
 
 REFUSAL_KEY = "afd/refusal"
-# Every claim this process made. Finding one of them on a rendezvous means the store is a world
-# this process was part of, still up for a moment after its host went (a SIGTERMed FFN role
-# shutting down): not another process with the same rank.
-_CLAIMS_MADE: set[bytes] = set()
+# The claims of the worlds this process left (closed). Finding one of them on a rendezvous means
+# the store is such a world's, still up for a moment after its host went (a SIGTERMed FFN role
+# shutting down): not another process, nor another world of this one, with the same rank.
+_CLAIMS_LEFT: set[bytes] = set()
 # The longest the FFN rank 0 waits for the peers to acknowledge a refusal before it closes the
 # store: a peer that never comes, or never looks again, must not hold it.
 REFUSAL_LINGER_S = 5.0
@@ -87,6 +87,7 @@ class AFDWorld:
         self.connect_timeout_s = config.extra.connect_timeout_s
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.steps_done = steps_done
+        self._claim: bytes | None = None  # this rank's claim on the rendezvous, once made
         #: Empty steps this attention rank runs first in this world (see the module docstring).
         self.catch_up_steps = 0
         self._group_store: SignedStore | None = None
@@ -114,16 +115,17 @@ class AFDWorld:
     def _claim_rank(self) -> None:
         store = self.rendezvous.store
         me = f"{os.getpid()}@{secrets.token_hex(4)}".encode()
-        _CLAIMS_MADE.add(me)
         got = bytes(store.compare_set(f"afd/claim/{self.rank}", b"", me))
-        if got in _CLAIMS_MADE and got != me:
+        if got == me:
+            self._claim = me
+            return
+        if got in _CLAIMS_LEFT:
             raise AFDRendezvousClosingError(
                 f"{self.what}: the rendezvous at {self.config.host}:{self.config.port} is still "
                 "the last world's, which this process left; it is closing")
-        if got != me:
-            raise AFDHandshakeError(f"{self.what}: {self.describe(self.rank)} is already taken by "
-                                    f"another process at {self.config.host}:{self.config.port}; "
-                                    "check each process's rank and num_*_ranks")
+        raise AFDHandshakeError(f"{self.what}: {self.describe(self.rank)} is already taken by "
+                                f"another process at {self.config.host}:{self.config.port}; "
+                                "check each process's rank and num_*_ranks")
 
     def _handshake(self, fingerprint: dict[str, Any]) -> None:
         try:
@@ -295,6 +297,8 @@ class AFDWorld:
         return self.groups[name]
 
     def close(self) -> None:
+        if self._claim is not None:
+            _CLAIMS_LEFT.add(self._claim)
         for pg in self.groups.values():
             try:
                 pg.shutdown()
