@@ -578,18 +578,11 @@ def test_an_ffn_link_waiting_for_a_plan_past_its_connector_s_close_ends_by_name(
     """An FFN role stopped while idle (its service closes the connector from another thread):
     the wait for the next plan ends when the peer goes, as on the Python path, with an AFD error
     saying the connector closed (not a crash on what the close let go of)."""
+    from test_attention_ride_through import in_thread
+
     a, f = gloo_pair()
     assert f._plans_served
-    out = {}
-
-    def wait():
-        try:
-            f.recv_step()
-        except Exception as e:  # noqa: BLE001 - inspected below
-            out["error"] = e
-
-    t = threading.Thread(target=wait)
-    t.start()
+    t, out = in_thread(f.recv_step)
     time.sleep(0.3)
     f.close()
     a.close()

@@ -52,7 +52,7 @@ PyObject* current_s_name = nullptr;
 // The attributes begin_step reads of a StepMetadata and sets on its half, interned once.
 struct Names {
   PyObject *half_step, *half_expect, *step, *kind, *stage_tokens, *half_posted, *half_plan,
-      *half_sources, *half_kind, *half_ready, *half_compiled_step, *half_net;
+      *half_sources, *half_kind, *half_ready, *half_compiled_step, *half_net, *half_post_first;
 } names{};
 
 std::string message(const std::exception& e) {
@@ -838,7 +838,13 @@ class FFNLink : public Link {
     } catch (const LinkError& e) {
       raise_failure(plan_failure, e, link.layers_.empty() ? 0 : link.layers_[0], 0);
     }
-    if (!began) return take_plan(py::none(), plan);  // the Python path serves the step
+    if (!began) {  // the Python path serves the step
+      py::object post_first = py::reinterpret_steal<py::object>(
+          PyObject_GetAttr(half, names.half_post_first));
+      if (!post_first) throw py::error_already_set();
+      post_first();
+      return plan;
+    }
     if (PyObject_SetAttr(half, names.half_kind, kind_obj.ptr()) < 0 ||
         PyObject_SetAttr(half, names.half_ready, Py_None) < 0 ||
         PyObject_SetAttr(half, names.half_compiled_step, Py_True) < 0)
@@ -1045,11 +1051,12 @@ PYBIND11_MODULE(_one_link, m) {
              PyUnicode_InternFromString("stage_tokens"), PyUnicode_InternFromString("_posted"),
              PyUnicode_InternFromString("_plan"), PyUnicode_InternFromString("_sources"),
              PyUnicode_InternFromString("_kind"), PyUnicode_InternFromString("_ready"),
-             PyUnicode_InternFromString("_compiled_step"), PyUnicode_InternFromString("_net")};
+             PyUnicode_InternFromString("_compiled_step"), PyUnicode_InternFromString("_net"),
+             PyUnicode_InternFromString("_post_first")};
     for (PyObject* name : {current_s_name, names.half_step, names.half_expect, names.step,
                            names.kind, names.stage_tokens, names.half_posted, names.half_plan,
                            names.half_sources, names.half_kind, names.half_ready,
-                           names.half_compiled_step, names.half_net})
+                           names.half_compiled_step, names.half_net, names.half_post_first})
       if (name == nullptr) throw py::error_already_set();
   }
   py::register_local_exception_translator([](std::exception_ptr p) {

@@ -122,7 +122,6 @@ class P2pFFNConnector(ScheduledFFNConnector):
         self._buffers = ReceiveBuffers(shape.hidden_size, shape.dtype, shape.top_k, self._gate,
                                        self.device)
         net = open_p2p_world(self, self.backend)
-        self._plans_served = False
         if self._one_src is not None:
             link = self._compiled = one_link.ffn_link(net.data, self._one_src, shape)
             if link is not None:
@@ -140,13 +139,9 @@ class P2pFFNConnector(ScheduledFFNConnector):
         self._compiled_step = False
         return net
 
-    def _take_plan(self, frame: torch.Tensor | None, plan: StepPlan | None = None) -> StepPlan:
-        """A plan the compiled link received and does not begin itself: ``frame`` (a STOP, a
-        plan to refuse) decoded, checked and begun as the control plane's receiver would, or
-        ``plan``, which it decoded and checked, begun on the Python path."""
-        if plan is not None:
-            self._post_first()
-            return plan
+    def _take_plan(self, frame: torch.Tensor) -> StepPlan:
+        """A plan the compiled link received and does not take (a STOP, a plan to refuse):
+        decoded, checked and begun as the control plane's receiver would."""
         meta = decoded(self._one_src, memoryview(frame.numpy()))
         return self._begin_plan(StepPlan(meta.step, {self._links[0].attention_rank: meta}))
 

@@ -8,11 +8,13 @@ cold after every wait, at 3-5x its hot cost, and the same logic rewritten minima
 cost the same. Compiled, it does what the Python path does (the same order of operations, sends
 kept until a reply proves them taken, bounded waits) at the bare loop's CPU, and the FFN half
 posts each step's first receive before its plan (``afd_ffn.p2p_connector`` says why). While
-the connector is open the link answers its per-layer primitives itself (``serve``), and the
-attention half's ``begin_step`` too: the plan written into one of two frames and sent, where the
-control plane shares the link's group (a copy of the codec's STEP frame layout, which
-tests/test_one_link.py holds to the codec's bytes). Paired steps at 1 token: the first layer
-33-44 us shorter than with the class's ``begin_step``, the step 22-46 us.
+the connector is open the link answers its per-layer primitives itself (``serve``), and a step's
+start too, where the control plane's frames share the link's group: the attention half's
+``begin_step`` writes the plan into one of two frames and sends it, the FFN half's ``recv_step``
+receives, reads and begins it (a copy of the codec's STEP frame layout, which
+tests/test_one_link.py holds to the codec's bytes and decisions). Paired steps at 1 token: the
+first layer 33-44 us shorter with the attention half's than with the class's ``begin_step``, the
+step 22-46 us.
 
 It is used only on a Gloo group, outside the in-order test mode (a Python wrapper), when the
 module was built (afd-common's build hook; without a C++ compiler the wheel is pure Python), and
