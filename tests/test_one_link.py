@@ -257,6 +257,23 @@ def test_a_runners_row_bound_is_checked_on_the_compiled_path(pair):
     assert torch.equal(a.recv_ffn_output(pending), torch.ones(2, H))
 
 
+def test_a_primitive_called_by_keyword_is_answered_by_the_class(pair):
+    """The links' methods take their arguments by position, with no argument parsing on a
+    layer's path; a call by keyword, or with a missing argument, goes to the connector's own
+    method, which answers it, or names what is wrong, as it would have."""
+    a, f = pair
+    a.begin_step(meta=StepMetadata(0, StepKind.RUN, (1,)))
+    pending = a.send_attn_output(hidden_states=torch.ones(1, H), call=LayerCall(1))
+    f.recv_step()
+    item = f.recv_layer(stage_idx=0, layer_idx=1)
+    f.send_ffn_output(output=item.hidden_states * 2, item=item)
+    assert torch.equal(a.recv_ffn_output(pending=pending), torch.full((1, H), 2.0))
+    with pytest.raises(TypeError, match="pending"):
+        a.recv_ffn_output()
+    with pytest.raises(TypeError, match="item"):
+        f.send_ffn_output(torch.ones(1, H))
+
+
 def test_env_keeps_the_python_path(monkeypatch):
     monkeypatch.setenv(one_link.ENV, "0")
     a, f = gloo_pair()

@@ -125,7 +125,9 @@ def serve(half, link, failure, *context) -> None:
     link's call, the answer's tuple), cost each layer's round trip 3-8 us at 1 token on the
     2-vCPU VM of ``benchmarks/transport.py``: one Python frame per primitive, run cold after
     every wait. Called straight, the link's methods ran layers 2-16 of a step at 1.00-1.09x raw
-    Gloo where the connector's ran at 1.08-1.12x (paired steps, four runs)."""
+    Gloo where the connector's ran at 1.08-1.12x (paired steps, four runs). They are C functions
+    taking their arguments by position (csrc/one_link.cpp ``entry``); a call by keyword goes to
+    the class's method."""
     names = PRIMITIVES[half.role]
     link.bind(*context)
     link.bind_connector(half.timeouts, failure,
