@@ -22,9 +22,9 @@ buffers reused and the attention side's result allocated per call (the model own
 connector returns). It says how much of the connector's extra is Python as such. A fourth,
 "floor", is the connector's protocol with no code: each step's plan message sent as the control
 plane sends one (a fixed-size frame on its tag) right before raw round trips on a tag of their
-own, the FFN side keeping the next two plans' receives posted and the step's first receive
-posted with the previous step's last send, sized for the most rows, as the compiled link posts
-it; nothing encoded, decoded or checked. ``floor`` is what the plan message costs as such, and
+own, the FFN side posting the next two plans' receives as it waits for a plan and the step's
+first receive with the previous step's last send, sized for the most rows, as the compiled link
+posts them; nothing encoded, decoded or checked. ``floor`` is what the plan message costs as such, and
 the connector's distance from it what its code costs. The connector
 runs its compiled one-link path where afd-common was built with it
 (``afd_common.transport.one_link``; the header says which); then "python" is the same connector
@@ -226,10 +226,11 @@ class FloorAttention:
 
 
 class FloorFFN:
-    """The FFN side of the floor loop: the next two plans' receives always posted, as the control
-    plane keeps them, and each step's first rows' receive posted with the previous step's last
-    send, sized for the most rows of any step (``max_rows``), as the compiled link posts it;
-    nothing decoded, nothing checked."""
+    """The FFN side of the floor loop, its receives posted as the compiled link posts them: the
+    next two plans' as it waits for a plan (the one the last plan took posted again then, so the
+    next plan's is posted the whole step), and each step's first rows' with the previous step's
+    last send, sized for the most rows of any step (``max_rows``); nothing decoded, nothing
+    checked."""
 
     def __init__(self, group, max_rows: int):
         self._group, self._turn = group, 0
@@ -241,9 +242,11 @@ class FloorFFN:
     def step(self, rows: int, layers: int) -> None:
         group, turn = self._group, self._turn
         bufs = [self._first[:rows], torch.empty(rows, H, dtype=torch.bfloat16)]
+        if self._plans[1 - turn] is None:
+            self._plans[1 - turn] = group.recv([self._frames[1 - turn]], 0, CONTROL_TAG)
         self._turn = 1 - turn
         self._plans[turn].wait()
-        self._plans[turn] = group.recv([self._frames[turn]], 0, CONTROL_TAG)
+        self._plans[turn] = None
         raw_replies(group, bufs, self._ahead, layers, FLOOR_TAG)
         self._ahead = group.recv([self._first], 0, FLOOR_TAG)
 

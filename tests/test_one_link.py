@@ -224,23 +224,27 @@ def test_a_plan_the_link_does_not_take_is_the_class_s_to_send_or_refuse(pair):
     assert not errors and a._step.step == 1
 
 
-def test_the_next_plans_receive_is_posted_with_the_steps_first_answer(pair):
-    """Two plans' receives stay posted on the FFN side; the one a step's plan took is posted
-    again after the step's first answer, not on the way from the plan to the first rows."""
+def test_the_next_plans_receive_is_posted_as_the_ffn_goes_idle(pair):
+    """Two plans' receives are posted as the FFN side asks for a plan; the one a step's plan
+    took is posted again at the next ``recv_step``, not on the way from the plan to the first
+    rows nor between the step's layers, and the next plan's stays posted the whole step."""
     a, f = pair
     posted = f._compiled.num_plans_posted  # the link receives the plans (not the control plane)
-    a.begin_step(StepMetadata(0, StepKind.RUN, (1, 1)))
-    pending = [a.send_attn_output(torch.ones(1, H), LayerCall(1, s)) for s in (0, 1)]
-    f.recv_step()
-    assert posted() == 1 and not f._net.control._posted
-    item = f.recv_layer(0, 1)
-    f.send_ffn_output(item.hidden_states, item)
-    assert posted() == 2
-    item = f.recv_layer(1, 1)
-    f.send_ffn_output(item.hidden_states, item)
-    assert posted() == 2 and not f._net.control._posted
-    for p in pending:
-        assert torch.equal(a.recv_ffn_output(p), torch.ones(1, H))
+    for step in range(2):
+        a.begin_step(StepMetadata(step, StepKind.RUN, (1, 1)))
+        pending = [a.send_attn_output(torch.ones(1, H), LayerCall(layer, s))
+                   for layer in LAYERS for s in (0, 1)]
+        assert f.recv_step().step == step
+        assert posted() == 1 and not f._net.control._posted
+        for layer in LAYERS:
+            for stage in (0, 1):
+                item = f.recv_layer(stage, layer)
+                f.send_ffn_output(item.hidden_states, item)
+                assert posted() == 1 and not f._net.control._posted
+        for p in pending:
+            assert torch.equal(a.recv_ffn_output(p), torch.ones(1, H))
+        a.end_step()
+        f.end_step()
 
 
 def test_a_runners_row_bound_is_checked_on_the_compiled_path(pair):

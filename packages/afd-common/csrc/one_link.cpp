@@ -738,7 +738,8 @@ class FFNLink : public Link {
   }
 
   // What this half needs besides (bind_connector): the work items' types, and what the
-  // connector does after a step's first answer (posts the receive of the next steps' plans); for
+  // connector does after a step's first answer (its control plane posts the receive of the next
+  // steps' plans, where they are not this link's); for
   // ``recv_step``, the plans' (bind_plans; -1: the connector's control plane receives every
   // plan), then the contract's StepPlan, StepKind's members by value and STOP's, the local rank
   // of the attention rank at the other end, and what the connector does with a frame this link
@@ -761,7 +762,12 @@ class FFNLink : public Link {
     posted_plans_.clear();
   }
 
-  // The receives of the next two plans, posted (those of the step before were decoded).
+  // The receives of the next two plans, posted (those of the step before were decoded): by
+  // recv_step, as the FFN goes idle after a step, so that the next plan's is posted the whole
+  // step long. Posted at the step's first answer instead, it held up the second layer (the
+  // FFN's main thread busy with the notification as the next rows came): steps alternating
+  // between the two within one run of benchmarks/transport.py's loops were 0.7-3.5% shorter
+  // this way at 1 token, the same at 16 and 128 (three runs).
   void post_plans() {
     // Checked on every pass: each post lets another thread in, whose close may drop the link.
     while (control_tag_ >= 0 && pg_ && posted_plans_.size() < 2) {
@@ -916,14 +922,12 @@ class FFNLink : public Link {
            as_int(max_num_tokens.ptr(), bound) && rows_[stage] <= bound;
   }
 
-  // After an answer taken: the step's first one also posts what the connector posts then.
+  // After an answer taken: the step's first one also does what the connector does then, where
+  // its control plane receives the plans (this link's recv_step posts its own, post_plans).
   void sent() {
     if (!frame_due_) return;
     frame_due_ = false;
-    if (control_tag_ >= 0)
-      post_plans();
-    else if (after_first_send_)
-      after_first_send_();
+    if (control_tag_ < 0 && after_first_send_) after_first_send_();
   }
 
   py::object item_type_, meta_type_, after_first_send_;
