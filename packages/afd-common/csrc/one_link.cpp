@@ -951,29 +951,36 @@ class FFNLink : public Link {
   // only grows: no allocation between a result's send and the next receive's post, but for the
   // first receive posted ahead, which grows a buffer to max_rows once).
   struct Ring {
+    // A buffer and its views as ``rows`` rows: the current one, and the one before (a decode
+    // step's rows and the next step's first receive's max_rows, in turn at every step's end and
+    // start), each made once: a view is an ATen op, and both turns are on a step's path (its
+    // last layer's answer, its first item).
     struct Buffer {
-      at::Tensor storage, view;
-      int64_t rows = -1;
+      at::Tensor storage, view, other;
+      int64_t rows = -1, other_rows = -1;
+      void show(int64_t n) {
+        if (n == rows) return;
+        std::swap(view, other);
+        std::swap(rows, other_rows);
+        if (n == rows) return;
+        view = n == storage.size(0) ? storage : storage.narrow(0, 0, n);
+        rows = n;
+      }
     };
     Buffer bufs[2];
     int turn = 0;
     const at::Tensor& take(int64_t rows, int64_t hidden, at::ScalarType dtype) {
       turn ^= 1;
       Buffer& b = bufs[turn];
-      if (b.rows != rows) {
-        if (!b.storage.defined() || b.storage.size(0) < rows)
-          b.storage = at::empty({rows, hidden}, at::TensorOptions().dtype(dtype));
-        b.view = b.storage.narrow(0, 0, rows);
-        b.rows = rows;
+      if (!b.storage.defined() || b.storage.size(0) < rows) {
+        b = Buffer{};
+        b.storage = at::empty({rows, hidden}, at::TensorOptions().dtype(dtype));
       }
+      b.show(rows);
       return b.view;
     }
     // The buffer taken last, viewed as ``rows`` rows (a receive posted larger than its message).
-    void narrow(int64_t rows) {
-      Buffer& b = bufs[turn];
-      b.view = b.storage.narrow(0, 0, rows);
-      b.rows = rows;
-    }
+    void narrow(int64_t rows) { bufs[turn].show(rows); }
     const at::Tensor& current() const { return bufs[turn].view; }
   };
 
