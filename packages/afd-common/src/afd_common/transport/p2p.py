@@ -26,8 +26,7 @@ ignored (NCCL, HCCL)::
 Neither side posts a receive before the sends that its peer's matching receive follows. Within
 that order each receive is posted as early as it can be (the FFN side's next one right after its
 send, the attention side's reply right after its send): Gloo holds back a send whose receive is
-not posted yet for a notification round trip. (The compiled one-link path, on Gloo only, posts
-a step's first answer's receive before the rows it answers: csrc/one_link.cpp says why.)
+not posted yet for a notification round trip.
 """
 
 from __future__ import annotations
