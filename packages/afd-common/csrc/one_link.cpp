@@ -147,9 +147,11 @@ class Sends {
 };
 
 // Post a send or a receive of one tensor, without the GIL as torch's own bindings do.
-// ``pg`` by value: a close on another thread cannot free the group under the call.
+// ``pg`` by value: a close on another thread cannot free the group under the call; one that
+// came between two posts (each lets the GIL go) left none, which fails as a closed link.
 c10::intrusive_ptr<c10d::Work> post(c10::intrusive_ptr<c10d::Backend> pg, bool send,
                                     const at::Tensor& t, int peer, int tag) {
+  if (!pg) throw LinkError{send ? "send" : "post", "the link was closed"};
   std::vector<at::Tensor> v{t};  // with the GIL: ``t`` may be a member a close resets
   py::gil_scoped_release nogil;
   try {
@@ -757,7 +759,7 @@ class FFNLink : public Link {
 
   // The receives of the next two plans, posted (those of the step before were decoded): by
   // recv_step, as the FFN goes idle after a step, so that the next plan's is posted the whole
-  // step long. Posted at the step's first answer instead, it held up the second layer (the
+  // step long (a frame right behind it -- a goodbye just after a plan -- waits for that). Posted at the step's first answer instead, it held up the second layer (the
   // FFN's main thread busy with the notification as the next rows came): steps alternating
   // between the two within one run of benchmarks/transport.py's loops were 0.7-3.5% shorter
   // this way at 1 token, the same at 16 and 128 (three runs).
@@ -1062,8 +1064,13 @@ PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObjec
     return PyObject_Vectorcall(link.python_method(Method).ptr(), args, nargs, kwnames);
   } catch (py::error_already_set& e) {
     e.restore();
+  } catch (const LinkError& e) {  // each primitive words its own; for one that did not
+    py::tuple args = py::make_tuple(e.kind, e.detail);
+    PyErr_SetObject(link_error_type, args.ptr());
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, message(e).c_str());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "an unknown C++ exception in the compiled link");
   }
   return nullptr;
 }

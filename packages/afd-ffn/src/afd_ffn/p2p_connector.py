@@ -174,7 +174,9 @@ class P2pFFNConnector(ScheduledFFNConnector):
             except LinkError as e:
                 raise self._link_failure(e, self._first_layer, 0) from None
             if self._compiled_step:
-                return  # it posts the next plans' receive after the first answer, as below
+                # It posts the next plans' receive: the control plane's after the first answer,
+                # as below; its own in its next recv_step.
+                return
         if self._first_layer is not None and self._sources:
             self._posted = self._post(self._first_layer, 0, self._sources[0])
             # Between this and the step's first wait it would delay rows that are likely in
