@@ -759,10 +759,12 @@ class FFNLink : public Link {
 
   // The receives of the next two plans, posted (those of the step before were decoded): by
   // recv_step, as the FFN goes idle after a step, so that the next plan's is posted the whole
-  // step long (a frame right behind it -- a goodbye just after a plan -- waits for that). Posted at the step's first answer instead, it held up the second layer (the
-  // FFN's main thread busy with the notification as the next rows came): steps alternating
-  // between the two within one run of benchmarks/transport.py's loops were 0.7-3.5% shorter
-  // this way at 1 token, the same at 16 and 128 (three runs).
+  // step long (a frame right behind it -- a goodbye just after a plan -- waits for that).
+  // Posted at the step's first answer instead, it held up the second layer (the FFN's main
+  // thread busy with the notification as the next rows came): in blocks of four steps
+  // alternating between the two within one run of benchmarks/transport.py's loops (the three
+  // after each switch; the posting carries from step to step), 0.1-7% shorter this way at 1
+  // token, at 16 -2.6..+0.7% (three runs).
   void post_plans() {
     // Checked on every pass: each post lets another thread in, whose close may drop the link.
     while (control_tag_ >= 0 && pg_ && posted_plans_.size() < 2) {
