@@ -662,7 +662,7 @@ class FFNLink : public Link {
     kind_ = std::move(kind);
     sources_ = std::move(sources);
     serving_ = true;
-    frame_due_ = true;
+    frame_due_ = control_tag_ < 0;  // the control plane's plans; this link's, recv_step posts
     return true;
   }
 
@@ -919,12 +919,12 @@ class FFNLink : public Link {
            as_int(max_num_tokens.ptr(), bound) && rows_[stage] <= bound;
   }
 
-  // After an answer taken: the step's first one also does what the connector does then, where
-  // its control plane receives the plans (this link's recv_step posts its own, post_plans).
+  // After an answer taken: the step's first one also does what the connector does then (its
+  // control plane posts the next plans' receive), where the plans are not this link's.
   void sent() {
     if (!frame_due_) return;
     frame_due_ = false;
-    if (control_tag_ < 0 && after_first_send_) after_first_send_();
+    if (after_first_send_) after_first_send_();
   }
 
   py::object item_type_, meta_type_, after_first_send_;
@@ -936,7 +936,7 @@ class FFNLink : public Link {
   std::deque<int> posted_plans_;
   // The step this link serves (``begin``): what its work items carry.
   bool serving_ = false;
-  bool frame_due_ = false;
+  bool frame_due_ = false;  // the connector's after_first_send_, until the step's first answer
   int64_t step_ = 0;
   py::object kind_;
   py::list sources_;
