@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from afd_common.contract import StepPlan
 from afd_common.errors import AFDPeerError, AFDTimeoutError
 from afd_common.metadata import LayerCall, ModelShape, StepKind, StepMetadata
 from afd_common.transport import one_link
@@ -143,6 +144,14 @@ def test_the_links_write_and_read_plans_as_the_codec_does(compiled, monkeypatch)
                           for m in plans]
     else:
         assert sent == plans and not frames
+        # The link makes StepPlan and StepMetadata without their __init__ (csrc/one_link.cpp
+        # new_dataclass): the same instances, as long as __init__ only sets the fields.
+        for plan, meta in zip(received, plans):
+            assert type(plan) is StepPlan and vars(plan) == vars(StepPlan(meta.step, {0: meta}))
+            made = plan.per_source[0]
+            assert type(made) is StepMetadata and vars(made) == vars(meta)
+        assert not hasattr(StepPlan, "__post_init__")
+        assert not hasattr(StepMetadata, "__post_init__")
     a.close()
     f.close()
 

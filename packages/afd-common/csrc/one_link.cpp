@@ -52,7 +52,8 @@ PyObject* current_s_name = nullptr;
 // The attributes begin_step reads of a StepMetadata and sets on its half, interned once.
 struct Names {
   PyObject *half_step, *half_expect, *step, *kind, *stage_tokens, *half_posted, *half_plan,
-      *half_sources, *half_kind, *half_ready, *half_compiled_step, *half_net, *half_post_first;
+      *half_sources, *half_kind, *half_ready, *half_compiled_step, *half_net, *half_post_first,
+      *per_source;
 } names{};
 
 std::string message(const std::exception& e) {
@@ -203,6 +204,22 @@ py::object new_tuple(const py::object& type, const py::tuple& fields) {
                                        nullptr);
   if (made == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(made);
+}
+
+// An instance of a frozen dataclass made from its fields without its ``__init__``, whose
+// ``object.__setattr__`` per field runs a Python frame, cold at a step's start on the path of
+// its first layer: allocated as ``object.__new__`` allocates and each field set as
+// ``object.__setattr__`` sets it. Only for the contract's StepMetadata and StepPlan, whose
+// ``__init__`` does nothing else (tests/test_one_link.py holds them to that).
+py::object new_dataclass(const py::object& type,
+                         std::initializer_list<std::pair<PyObject*, PyObject*>> fields) {
+  auto* tp = reinterpret_cast<PyTypeObject*>(type.ptr());
+  py::object made = py::reinterpret_steal<py::object>(tp->tp_alloc(tp, 0));
+  if (!made) throw py::error_already_set();
+  for (const auto& [name, value] : fields) {
+    if (PyObject_GenericSetAttr(made.ptr(), name, value) < 0) throw py::error_already_set();
+  }
+  return made;
 }
 
 // The connector's wait bound now (its Timeouts' current_s).
@@ -422,10 +439,11 @@ class AttentionLink : public Link {
     auto work = std::move(slot.work);
     at::Tensor out = std::move(slot.out);
     --in_flight_;
-    // The next call's result tensor, while this one's is awaited.
+    // The next call's result tensor, and this one's Python object, while it is awaited.
     spare_ = at::empty_like(out);
+    py::object result = py::cast(out);
     wait_reply(sends_, *work, timeout_s);
-    return py::cast(out);
+    return result;
   }
 
   std::vector<std::pair<int64_t, int64_t>> in_flight() const {
@@ -668,25 +686,9 @@ class FFNLink : public Link {
 
   // The rows of (layer, stage), or None unless that is the receive posted next.
   py::object recv(int64_t stage, int64_t layer, double timeout_s) {
-    if (state_ != State::kPosted || layer != layers_[layer_pos_] || stage != stage_)
-      return py::none();
-    if (rows_[stage_] == 0) {
-      // Nothing travels for it either way, so the step moves on now: a loop may answer the empty
-      // item (``send`` takes that answer) or not, as on the Python path.
-      empty_at_ = {layer, stage};
-      state_ = State::kIdle;
-      post_next();
-      return py::cast(empty_);
-    }
-    state_ = State::kServing;
-    auto work = std::move(work_);
-    try {
-      wait_reply(sends_, *work, timeout_s);
-    } catch (const LinkError&) {
-      state_ = State::kIdle;
-      throw;
-    }
-    return py::cast(rings_[stage_].current());
+    py::object rows = take(stage, layer);
+    if (!rows.is_none() && state_ == State::kServing) await_rows(timeout_s);
+    return rows;
   }
 
   // Send the result of the item ``recv`` returned last and post the next receive; false where the
@@ -830,10 +832,14 @@ class FFNLink : public Link {
       stage_tokens[i] = rows;
       sources[i] = py::make_tuple(py::make_tuple(source, rows));
     }
-    py::object meta = step_type(step, kind_obj, stage_tokens);
+    py::int_ step_obj(step);
+    py::object meta = new_dataclass(step_type, {{names.step, step_obj.ptr()},
+                                                {names.kind, kind_obj.ptr()},
+                                                {names.stage_tokens, stage_tokens.ptr()}});
     py::dict per_source;
     per_source[source] = meta;
-    py::object plan = plan_type(step, per_source);
+    py::object plan = new_dataclass(plan_type, {{names.step, step_obj.ptr()},
+                                                {names.per_source, per_source.ptr()}});
     if (PyObject_SetAttr(half, names.half_plan, plan.ptr()) < 0 ||
         PyObject_SetAttr(half, names.half_sources, sources.ptr()) < 0 ||
         PyObject_SetAttr(half, names.half_compiled_step, Py_False) < 0)  // unless it begins
@@ -868,21 +874,23 @@ class FFNLink : public Link {
     int64_t layer, stage;
     if (serving_ && as_int(layer_idx.ptr(), layer) && as_int(stage_idx.ptr(), stage) &&
         within(max_num_tokens, stage)) {
-      // The item's makings, before the wait (see Bound).
-      py::object meta_type = meta_type_, item_type = item_type_, kind = kind_;
-      py::list sources = sources_;
-      int64_t step = step_;
-      py::object hidden;
+      double timeout_s = current_timeout(bound.timeouts);
       try {
-        hidden = recv(stage, layer, current_timeout(bound.timeouts));
+        py::object hidden = take(stage, layer);
+        if (!hidden.is_none()) {
+          // The item before the wait (made after it, it delayed the answer; and a close on
+          // another thread lets go of what it is made of).
+          py::object item = new_tuple(item_type_, py::make_tuple(
+              hidden,
+              new_tuple(meta_type_, py::make_tuple(
+                  layer, stage, step_, py::handle(PyList_GET_ITEM(sources_.ptr(), stage)),
+                  false, kind_)),
+              py::none(), py::none(), py::none()));
+          if (state_ == State::kServing) await_rows(timeout_s);
+          return item;
+        }
       } catch (const LinkError& e) {
         raise_failure(bound.failure, e, layer, stage);
-      }
-      if (!hidden.is_none()) {
-        py::object meta = new_tuple(meta_type, py::make_tuple(
-            layer, stage, step, py::handle(PyList_GET_ITEM(sources.ptr(), stage)), false, kind));
-        return new_tuple(item_type, py::make_tuple(hidden, meta, py::none(), py::none(),
-                                                   py::none()));
       }
     }
     return bound.python(stage_idx, layer_idx, max_num_tokens);
@@ -911,6 +919,34 @@ class FFNLink : public Link {
   }
 
  private:
+  // The tensor the rows of (layer, stage) land in, or None unless that is the receive posted
+  // next; ``await_rows`` waits for them where the state is then kServing. Taken apart so that
+  // what a caller makes of the rows (the WorkItem) is made before the wait, not after it on the
+  // path from the rows' arrival to their answer.
+  py::object take(int64_t stage, int64_t layer) {
+    if (state_ != State::kPosted || layer != layers_[layer_pos_] || stage != stage_)
+      return py::none();
+    if (rows_[stage_] == 0) {
+      // Nothing travels for it either way, so the step moves on now: a loop may answer the empty
+      // item (``send`` takes that answer) or not, as on the Python path.
+      empty_at_ = {layer, stage};
+      state_ = State::kIdle;
+      post_next();
+      return py::cast(empty_);
+    }
+    state_ = State::kServing;
+    return py::cast(rings_[stage_].current());
+  }
+  void await_rows(double timeout_s) {
+    auto work = std::move(work_);
+    try {
+      wait_reply(sends_, *work, timeout_s);
+    } catch (const LinkError&) {
+      state_ = State::kIdle;
+      throw;
+    }
+  }
+
   // Rows of ``stage`` within ``max_num_tokens`` (None: no bound asked).
   bool within(py::handle max_num_tokens, int64_t stage) const {
     if (max_num_tokens.is_none()) return true;
@@ -1134,11 +1170,12 @@ PYBIND11_MODULE(_one_link, m) {
              PyUnicode_InternFromString("_plan"), PyUnicode_InternFromString("_sources"),
              PyUnicode_InternFromString("_kind"), PyUnicode_InternFromString("_ready"),
              PyUnicode_InternFromString("_compiled_step"), PyUnicode_InternFromString("_net"),
-             PyUnicode_InternFromString("_post_first")};
+             PyUnicode_InternFromString("_post_first"), PyUnicode_InternFromString("per_source")};
     for (PyObject* name : {current_s_name, names.half_step, names.half_expect, names.step,
                            names.kind, names.stage_tokens, names.half_posted, names.half_plan,
                            names.half_sources, names.half_kind, names.half_ready,
-                           names.half_compiled_step, names.half_net, names.half_post_first})
+                           names.half_compiled_step, names.half_net, names.half_post_first,
+                           names.per_source})
       if (name == nullptr) throw py::error_already_set();
   }
   py::register_local_exception_translator([](std::exception_ptr p) {
