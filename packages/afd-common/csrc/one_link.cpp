@@ -45,6 +45,13 @@ struct LinkError {
 // after the interpreter is gone.
 PyObject* link_error_type = nullptr;
 
+// Raise ``e`` in Python as that type, args (kind, detail): for the pybind methods (the module's
+// exception translator) and the primitives' C entries alike.
+void set_link_error(const LinkError& e) {
+  py::tuple args = py::make_tuple(e.kind, e.detail);
+  PyErr_SetObject(link_error_type, args.ptr());
+}
+
 // "current_s", interned once and never freed: the attribute of the connector's Timeouts read on
 // every wait (the bound is the first step's until one ends, then the step timeout's).
 PyObject* current_s_name = nullptr;
@@ -687,7 +694,7 @@ class FFNLink : public Link {
   // The rows of (layer, stage), or None unless that is the receive posted next.
   py::object recv(int64_t stage, int64_t layer, double timeout_s) {
     py::object rows = take(stage, layer);
-    if (!rows.is_none() && state_ == State::kServing) await_rows(timeout_s);
+    if (!rows.is_none()) await_rows(timeout_s);
     return rows;
   }
 
@@ -886,7 +893,7 @@ class FFNLink : public Link {
                   layer, stage, step_, py::handle(PyList_GET_ITEM(sources_.ptr(), stage)),
                   false, kind_)),
               py::none(), py::none(), py::none()));
-          if (state_ == State::kServing) await_rows(timeout_s);
+          await_rows(timeout_s);
           return item;
         }
       } catch (const LinkError& e) {
@@ -920,9 +927,9 @@ class FFNLink : public Link {
 
  private:
   // The tensor the rows of (layer, stage) land in, or None unless that is the receive posted
-  // next; ``await_rows`` waits for them where the state is then kServing. Taken apart so that
-  // what a caller makes of the rows (the WorkItem) is made before the wait, not after it on the
-  // path from the rows' arrival to their answer.
+  // next; ``await_rows`` then waits for them (nothing, for a stage without rows). Taken apart
+  // so that what a caller makes of the rows (the WorkItem) is made before the wait, not after it
+  // on the path from the rows' arrival to their answer.
   py::object take(int64_t stage, int64_t layer) {
     if (state_ != State::kPosted || layer != layers_[layer_pos_] || stage != stage_)
       return py::none();
@@ -938,6 +945,7 @@ class FFNLink : public Link {
     return py::cast(rings_[stage_].current());
   }
   void await_rows(double timeout_s) {
+    if (state_ != State::kServing) return;  // the empty item ``take`` handed out: nothing comes
     auto work = std::move(work_);
     try {
       wait_reply(sends_, *work, timeout_s);
@@ -1103,8 +1111,7 @@ PyObject* entry(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObjec
   } catch (py::error_already_set& e) {
     e.restore();
   } catch (const LinkError& e) {  // each primitive words its own; for one that did not
-    py::tuple args = py::make_tuple(e.kind, e.detail);
-    PyErr_SetObject(link_error_type, args.ptr());
+    set_link_error(e);
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, message(e).c_str());
   } catch (...) {
@@ -1182,8 +1189,7 @@ PYBIND11_MODULE(_one_link, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const LinkError& e) {
-      py::tuple args = py::make_tuple(e.kind, e.detail);
-      PyErr_SetObject(link_error_type, args.ptr());
+      set_link_error(e);
     }
   });
 
