@@ -25,10 +25,14 @@ plane sends one (a fixed-size frame on its tag) right before raw round trips on 
 own, the FFN side posting the next two plans' receives as it waits for a plan and the step's
 first receive with the previous step's last send, sized for the most rows, as the compiled link
 posts them; nothing encoded, decoded or checked. ``floor`` is what the plan message costs as such, and
-the connector's distance from it what its code costs. The connector
+the connector's distance from it what its code costs. A fifth, "twin", is the raw loop again,
+the same code on a second Gloo group of the same two processes, after the floor loop: two
+identical loops compared the way the connector is compared with raw, so its distance from 1.00
+is the measurement's own spread in that run (each group has its own Gloo thread per side, and
+where the VM runs those threads differs from group to group and from run to run). The connector
 runs its compiled one-link path where afd-common was built with it
 (``afd_common.transport.one_link``; the header says which); then "python" is the same connector
-on its Python path (``AFD_ONE_LINK=0`` while it opens) for a step after the floor loop, against
+on its Python path (``AFD_ONE_LINK=0`` while it opens) for a step after the twin loop, against
 raw: what compiling the path changed, side by side. ``--breakdown`` measures the Python path
 (its wrapper times the group calls that path makes from Python).
 
@@ -385,6 +389,7 @@ def ffn_main(args, ports, q) -> None:
     conn = resolve_connector("P2pAFDConnector", "ffn")(config("ffn", ports[0]), 0,
                                                         shape(args.layers))
     raw = bare_group = raw_group(1, ports[1])
+    twin = raw_group(1, ports[3])
     floor = FloorFFN(bare_group, max(args.tokens))
     cpu: dict[int, list] = {}  # tokens -> (connector, bare) main-thread CPU per step, ns
     with conn:
@@ -415,6 +420,7 @@ def ffn_main(args, ports, q) -> None:
             bare.finish()
             cpu.setdefault(t, []).append((connector, time.thread_time_ns() - start))
             floor.step(t, args.layers)
+            raw_replies(twin, bufs, twin.recv([bufs[0]], 0, 0), args.layers, 0)
             if py is not None:  # and the connector's Python path
                 py.recv_step()
                 serve_step(py, args.layers)
@@ -432,16 +438,19 @@ def is_served(step: int) -> bool:
 def summary(stamps, served, layers: int) -> dict:
     """Medians over the steps (seconds; ratios of per-step pairs) from each step's stamps:
     connector start, after its first layer, end = raw start, after its first layer, end = bare
-    start, bare end = floor start, after its first layer, floor end (= the Python path's start),
-    the Python path's end, if it ran; and from the served pairs (``served_pair``)."""
-    per = {"connector": [], "raw": [], "bare": [], "floor": [], "steady": [], "raw_steady": [],
+    start, bare end = floor start, after its first layer, floor end = twin start, twin end (= the
+    Python path's start), the Python path's end, if it ran; and from the served pairs
+    (``served_pair``)."""
+    per = {"connector": [], "raw": [], "bare": [], "floor": [], "twin": [], "steady": [],
+           "raw_steady": [],
            "first": [], "raw_first": [], "floor_first": [], "served": [], "raw_served": [],
            "served_first": [], "raw_served_first": []}
-    for (c0, c1, c2, r1, r2, b2, f1, f2, *p2), (sc, sr, sc1, sr1) in zip(stamps, served):
-        if p2:  # the Python path's step, after the floor loop
-            per.setdefault("python", []).append((p2[0] - f2) / layers)
+    for (c0, c1, c2, r1, r2, b2, f1, f2, w2, *p2), (sc, sr, sc1, sr1) in zip(stamps, served):
+        if p2:  # the Python path's step, after the twin loop
+            per.setdefault("python", []).append((p2[0] - w2) / layers)
         for key, v in (("connector", (c2 - c0) / layers), ("raw", (r2 - c2) / layers),
                        ("bare", (b2 - r2) / layers), ("floor", (f2 - b2) / layers),
+                       ("twin", (w2 - f2) / layers),
                        ("floor_first", f1 - b2), ("steady", (c2 - c1) / (layers - 1)),
                        ("raw_steady", (r2 - r1) / (layers - 1)), ("first", c1 - c0),
                        ("raw_first", r1 - c2), ("served", sc / layers),
@@ -449,7 +458,7 @@ def summary(stamps, served, layers: int) -> dict:
                        ("raw_served_first", sr1)):
             per[key].append(v)
     out = {key: statistics.median(v) for key, v in per.items()}
-    for key, ref in (("connector", "raw"), ("bare", "raw"), ("floor", "raw"),
+    for key, ref in (("connector", "raw"), ("bare", "raw"), ("floor", "raw"), ("twin", "raw"),
                      ("steady", "raw_steady"),
                      ("served", "raw_served"), ("python", "raw")):
         if key in per:
@@ -520,6 +529,7 @@ def attention_main(args, ports, q) -> None:
     conn = resolve_connector("P2pAFDConnector", "attention")(config("attention", ports[0]), 0,
                                                               shape(args.layers))
     raw = raw_group(0, ports[1])
+    twin = raw_group(0, ports[3])
     bare, floor = BareAttention(raw), FloorAttention(raw)
     results = {}
     step = 0
@@ -547,6 +557,7 @@ def attention_main(args, ports, q) -> None:
                 now.append(time.perf_counter())
                 cpu.append((connector_cpu, time.thread_time_ns() - cpu_start))
                 now.extend(floor.step(x, back, args.layers))
+                now.append(raw_round_trips(twin, x, back, args.layers)[1])
                 if py is not None:
                     py.begin_step(StepMetadata(step, StepKind.RUN, (t,)))
                     _, w = connector_layers(py, x, args.layers)
@@ -590,7 +601,7 @@ def main(argv=None) -> int:
         ap.error("--layers must be at least 2 (the steady ratio leaves out each step's first)")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ports = (free_port(), free_port(), free_port())
+    ports = (free_port(), free_port(), free_port(), free_port())
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # vLLM's CPU build asks for tcmalloc (LD_PRELOAD), which keeps freed memory for the next
     # allocation. glibc's malloc gives a freed 2 MiB buffer back to the OS and faults the next
@@ -626,13 +637,13 @@ def main(argv=None) -> int:
         "compiled (afd_common.transport.one_link)" if one_link.available() else
         f"Python ({one_link.ENV}=0{', for --breakdown' if args.breakdown else ''}, or not built)"))
     print(f"{'T':>5} {'connector ms':>13} {'raw ms':>8} {'ratio':>6} {'steady':>7} "
-          f"{'served':>7} {'bare':>6} {'floor':>6} {'python':>7} {'1st layer us':>17} "
+          f"{'served':>7} {'bare':>6} {'floor':>6} {'twin':>6} {'python':>7} {'1st layer us':>17} "
           f"{'served':>11}")
     for t, r in results.items():
         python = f"{r['python_ratio']:>7.2f}" if "python_ratio" in r else f"{'--':>7}"
         print(f"{t:>5} {r['connector'] * 1e3:>13.3f} {r['raw'] * 1e3:>8.3f} "
               f"{r['connector_ratio']:>6.2f} {r['steady_ratio']:>7.2f} {r['served_ratio']:>7.2f} "
-              f"{r['bare_ratio']:>6.2f} {r['floor_ratio']:>6.2f} {python} "
+              f"{r['bare_ratio']:>6.2f} {r['floor_ratio']:>6.2f} {r['twin_ratio']:>6.2f} {python} "
               f"{r['first'] * 1e6:>5.0f}/{r['floor_first'] * 1e6:.0f}/{r['raw_first'] * 1e6:<5.0f} "
               f"{r['served_first'] * 1e6:>5.0f}/{r['raw_served_first'] * 1e6:<5.0f}")
     worst = max(r["connector_ratio"] for r in results.values())

@@ -12,10 +12,10 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def table(stdout: str) -> list[tuple]:
-    """The ratio table's rows: T, connector ms, raw ms, ratio, steady, served, bare and floor
-    ratios, the Python path's ratio (or --), first layer us connector/floor/raw back to back,
-    connector/raw served."""
-    return re.findall(r"^\s+(\d+)" + r"\s+([\d.]+)" * 7 + r"\s+(--|[\d.]+)"
+    """The ratio table's rows: T, connector ms, raw ms, ratio, steady, served, bare, floor and
+    twin ratios, the Python path's ratio (or --), first layer us connector/floor/raw back to
+    back, connector/raw served."""
+    return re.findall(r"^\s+(\d+)" + r"\s+([\d.]+)" * 8 + r"\s+(--|[\d.]+)"
                       + r"\s+(\d+)/(\d+)/(\d+)\s+(\d+)/(\d+)\s*$", stdout, re.M)
 
 
@@ -28,8 +28,8 @@ def test_transport_benchmark_round_trips_and_prints_the_ratio_per_size():
     assert [int(r[0]) for r in rows] == [1, 16], out.stdout
     # --breakdown times the Python path: no compiled one beside it
     assert "one-link path: Python (AFD_ONE_LINK=0, for --breakdown" in out.stdout
-    assert all(r[8] == "--" for r in rows), out.stdout
-    assert all(float(v) > 0 for r in rows for v in r[1:8] + r[9:]), out.stdout
+    assert all(r[9] == "--" for r in rows), out.stdout
+    assert all(float(v) > 0 for r in rows for v in r[1:9] + r[10:]), out.stdout
     assert "worst ratio" in out.stdout
     # Each leg of a layer's round trip, for the connector and the raw loop, at each size.
     legs = re.findall(r"^  (\S.*?)\s+(-?[\d.]+)\s+(-?[\d.]+)\s+([+-][\d.]+)$", out.stdout,
@@ -52,7 +52,7 @@ def test_transport_benchmark_prints_each_sides_cpu_per_layer_without_breakdown()
     assert "where a layer's round trip goes" not in out.stdout
     # The compiled path, and its Python path beside it
     assert "one-link path: compiled" in out.stdout
-    assert [float(r[8]) > 0 for r in table(out.stdout)] == [True, True], out.stdout
+    assert [float(r[9]) > 0 for r in table(out.stdout)] == [True, True], out.stdout
 
 
 def test_transport_benchmark_cpu_mode_prints_each_halfs_python_per_layer():
