@@ -441,10 +441,9 @@ def summary(stamps, served, layers: int) -> dict:
     start, bare end = floor start, after its first layer, floor end = twin start, twin end (= the
     Python path's start), the Python path's end, if it ran; and from the served pairs
     (``served_pair``)."""
-    per = {"connector": [], "raw": [], "bare": [], "floor": [], "twin": [], "steady": [],
-           "raw_steady": [],
-           "first": [], "raw_first": [], "floor_first": [], "served": [], "raw_served": [],
-           "served_first": [], "raw_served_first": []}
+    per = {key: [] for key in ("connector", "raw", "bare", "floor", "twin", "steady",
+                               "raw_steady", "first", "raw_first", "floor_first", "served",
+                               "raw_served", "served_first", "raw_served_first")}
     for (c0, c1, c2, r1, r2, b2, f1, f2, w2, *p2), (sc, sr, sc1, sr1) in zip(stamps, served):
         if p2:  # the Python path's step, after the twin loop
             per.setdefault("python", []).append((p2[0] - w2) / layers)
@@ -601,7 +600,8 @@ def main(argv=None) -> int:
         ap.error("--layers must be at least 2 (the steady ratio leaves out each step's first)")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ports = (free_port(), free_port(), free_port(), free_port())
+    # The connector's world, the raw group (raw, bare, floor), the Python path's world, twin.
+    ports = tuple(free_port() for _ in range(4))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # vLLM's CPU build asks for tcmalloc (LD_PRELOAD), which keeps freed memory for the next
     # allocation. glibc's malloc gives a freed 2 MiB buffer back to the OS and faults the next
